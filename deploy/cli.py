@@ -1,0 +1,106 @@
+"""The `pdserve` command line.
+
+  pdserve generate PROMPT --local [--model M] ...   run the engine in this process
+  pdserve generate PROMPT --router HOST:PORT ...     send the request through a running router
+  pdserve model fetch [MODEL]                        resolve/convert a model once (demo: smollm2-135m)
+  pdserve bench engine|kvtransfer [...]              benchmarks (see bench/)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import uuid
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--log-level", default="WARNING")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="generate a completion for one prompt")
+    gen.add_argument("prompt")
+    where = gen.add_mutually_exclusive_group(required=True)
+    where.add_argument("--local", action="store_true", help="run the engine in this process")
+    where.add_argument("--router", metavar="HOST:PORT", help="send the request to a running router")
+    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
+    gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_token_ids)")
+    gen.add_argument("--timeout", type=float, default=300.0)
+
+    model = sub.add_parser("model", help="model utilities")
+    model_sub = model.add_subparsers(dest="model_command", required=True)
+    fetch = model_sub.add_parser("fetch", help="resolve a model once (converts the demo model into the cache)")
+    fetch.add_argument("model", nargs="?", default="smollm2-135m")
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench.add_argument("name", choices=["engine", "kvtransfer"])
+    bench.add_argument("args", nargs=argparse.REMAINDER)
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command == "generate":
+        return _generate(args)
+    if args.command == "model":
+        from engine.model_loader import resolve_model_path
+
+        print(resolve_model_path(args.model))
+        return 0
+    if args.command == "bench":
+        import importlib
+
+        return importlib.import_module(f"bench.{args.name}").main(args.args) or 0
+    return 2
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from engine.errors import EngineError
+    from engine.sampling import SamplingParams
+
+    params = SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
+    )
+    try:
+        if args.local:
+            result = _generate_local(args, params)
+        else:
+            from router.client import generate_via_router
+
+            result = generate_via_router(args.router, args.prompt, params, raw=args.raw, timeout=args.timeout)
+    except EngineError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(result["text"])
+    return 0
+
+
+def _generate_local(args: argparse.Namespace, params) -> dict:
+    from engine import Engine, EngineConfig
+    from engine.tokenization import encode_prompt
+
+    params.validate()
+    engine = Engine(EngineConfig(model=args.model))
+    tokenizer = engine.loaded.tokenizer
+    prompt_ids = encode_prompt(tokenizer, args.prompt, raw=args.raw)
+    request_id = uuid.uuid4().hex
+    engine.add_request(request_id, prompt_ids, params)
+    token_ids: list[int] = []
+    while engine.has_work():
+        for out in engine.step():
+            token_ids.extend(out.new_token_ids)
+    text = tokenizer.decode(token_ids, skip_special_tokens=True)
+    return {"text": text, "token_ids": token_ids, "prompt_token_ids": prompt_ids}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,145 @@
+"""Who owns which KV block: free list, reference counts and the prefix cache.
+
+Lifecycle of a block: free -> owned by one or more sequences (ref count) -> free again. A block that
+became full holds a hash of its tokens chained to its predecessor's hash; when its last owner frees
+it, it stays in the free list *with* its contents (evictable, least recently used first) so a later
+request with the same prefix can take it back instead of recomputing. Allocation answers "can't"
+with False; deciding whom to preempt is the scheduler's job.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
+    hit_blocks: int = 0
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_caching = enable_prefix_caching
+        self._ref_counts = [0] * num_blocks
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._block_hash: dict[int, int] = {}
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self._seq_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
+        self.prefix_stats = PrefixCacheStats()
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_for_tokens(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def match_prefix(self, token_ids: list[int], max_tokens: int) -> list[int]:
+        """Cached blocks holding a prefix of `token_ids`, covering at most `max_tokens` tokens."""
+        if not self.enable_prefix_caching:
+            return []
+        hits: list[int] = []
+        parent = None
+        for start in range(0, (max_tokens // self.block_size) * self.block_size, self.block_size):
+            h = self._hash(parent, token_ids[start : start + self.block_size])
+            block = self._cached.get(h)
+            if block is None:
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    # ---- ownership -----------------------------------------------------------------------------
+    def admit(self, seq: Sequence, max_new_tokens: int) -> int | None:
+        """Give a new sequence its cached prefix blocks plus fresh blocks for up to `max_new_tokens`
+        more tokens. Returns how many tokens it must now compute, or None (nothing taken): no room."""
+        cached = self.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
+        cached_tokens = len(cached) * self.block_size
+        num_new = min(seq.num_tokens - cached_tokens, max_new_tokens)
+        fresh_needed = self.blocks_for_tokens(cached_tokens + num_new) - len(cached)
+        free_after_reuse = self.num_free_blocks - sum(1 for b in cached if self._ref_counts[b] == 0)
+        if fresh_needed > free_after_reuse:
+            return None
+        for block in cached:
+            self._take(block)
+        seq.block_ids = cached + [self._pop_free() for _ in range(fresh_needed)]
+        seq.num_cached_tokens = seq.num_computed_tokens = cached_tokens
+        self._seq_hashes[seq.request_id] = [self._block_hash[b] for b in cached]
+        self.prefix_stats.queries += 1
+        self.prefix_stats.query_tokens += seq.num_tokens
+        self.prefix_stats.hit_blocks += len(cached)
+        self.prefix_stats.hit_tokens += cached_tokens
+        return num_new
+
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make the sequence's blocks hold `num_tokens` tokens. False (and nothing taken): no room."""
+        missing = self.blocks_for_tokens(num_tokens) - len(seq.block_ids)
+        if missing <= 0:
+            return True
+        if missing > self.num_free_blocks:
+            return False
+        seq.block_ids.extend(self._pop_free() for _ in range(missing))
+        self._seq_hashes.setdefault(seq.request_id, [])
+        return True
+
+    def commit_computed(self, seq: Sequence) -> None:
+        """Publish the sequence's newly completed full blocks in the prefix cache."""
+        if not self.enable_prefix_caching:
+            return
+        hashes = self._seq_hashes.setdefault(seq.request_id, [])
+        full = seq.num_computed_tokens // self.block_size
+        tokens = seq.token_ids
+        while len(hashes) < full:
+            i = len(hashes)
+            h = self._hash(hashes[-1] if hashes else None, tokens[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(h)
+            block = seq.block_ids[i]
+            if h not in self._cached and block not in self._block_hash:
+                self._cached[h] = block
+                self._block_hash[block] = h
+
+    def free(self, seq: Sequence) -> None:
+        """Drop the sequence's references; blocks nobody holds return to the free list."""
+        # Free the tail first so that, among evictable blocks, a prefix outlives its continuation.
+        for block in reversed(seq.block_ids):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                if block not in self._block_hash:
+                    self._free.move_to_end(block, last=False)  # plain blocks are reused first
+        seq.block_ids = []
+        self._seq_hashes.pop(seq.request_id, None)
+
+    def reset_prefix_cache(self) -> None:
+        self._cached.clear()
+        self._block_hash.clear()
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _hash(self, parent: int | None, tokens: list[int]) -> int:
+        return hash((parent, tuple(tokens)))
+
+    def _take(self, block: int) -> None:
+        if self._ref_counts[block] == 0:
+            del self._free[block]
+        self._ref_counts[block] += 1
+
+    def _pop_free(self) -> int:
+        block, _ = self._free.popitem(last=False)
+        h = self._block_hash.pop(block, None)
+        if h is not None and self._cached.get(h) == block:
+            del self._cached[h]
+        self._ref_counts[block] = 1
+        return block

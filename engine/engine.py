@@ -1,0 +1,234 @@
+"""The engine: requests in, tokens out, one scheduled step at a time.
+
+Lifecycle of a request: `add_request` validates it and queues it (WAITING); every `step()` asks the
+Scheduler what to run, has the ModelRunner compute it, samples the requests whose last token was
+computed, applies stop rules and returns one `RequestOutput` per request that produced a token or
+finished. A finished request's blocks are freed at once, except a prefill-only request
+(FINISHED_PREFILLED), which keeps them until `release()` after its KV has been shipped. A decode
+worker adds requests whose prefill ran elsewhere with `add_remote_request` (WAITING_FOR_REMOTE_KV)
+and makes them runnable with `commit_remote_kv` once the KV sits in their blocks.
+The engine is single-threaded: use `AsyncEngine` to drive it from asyncio.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.errors import InvalidRequestError
+from engine.kv_cache import KVCache, KVLayout
+from engine.model_loader import LoadedModel, load_model, model_fingerprint
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+from engine.sampling import SamplingParams
+from engine.scheduler import Scheduler, SchedulerConfig
+from engine.sequence import FinishReason, RequestState, Sequence
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    new_token_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finish_reason: FinishReason | None = None
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+@dataclass
+class EngineStats:
+    num_waiting: int
+    num_running: int
+    num_waiting_for_kv: int
+    num_held: int
+    queued_prompt_tokens: int
+    free_blocks: int
+    total_blocks: int
+    prefix_hit_tokens: int
+    prefix_query_tokens: int
+    num_preemptions: int
+    steps: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+        self.config = config
+        if config.num_threads:
+            torch.set_num_threads(config.num_threads)
+        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
+        model_config = self.loaded.config
+        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
+        self.vocab_size = model_config.vocab_size
+        self.layout = KVLayout(
+            num_layers=model_config.num_hidden_layers,
+            num_kv_heads=model_config.num_key_value_heads,
+            head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads,
+            block_size=config.block_size,
+            dtype=self.loaded.dtype,
+        )
+        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(self.layout, config.kv_cache_memory_mb << 20)
+        self.kv_cache = KVCache(self.layout, num_blocks, config.device)
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill),
+            self.blocks,
+        )
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device)
+        self.sampler = Sampler(config.seed)
+        self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.fingerprint = model_fingerprint(model_config.to_json_string(), self.layout.dtype, config.block_size)
+        self._requests: dict[str, Sequence] = {}
+        self._pending_outputs: list[RequestOutput] = []
+        self._num_preemptions = 0
+        self._steps = 0
+        self.on_layer_written: Callable[[list[Sequence], int], None] | None = None
+        """Set by a prefill worker: called after each layer with the requests finishing prefill this step."""
+        log.info("engine ready: %s, %d KV blocks (%.0f MiB)", self.loaded.path, num_blocks, self.kv_cache.nbytes / 2**20)
+
+    # ---- request intake ------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+    ) -> None:
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        self._requests[request_id] = seq
+        self.scheduler.add(seq)
+
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
+        Returns the block ids to write into, or None when the pool has no room now (backpressure)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only=False)
+        if not self.blocks.grow(seq, seq.num_prompt_tokens + 1):
+            seq.block_ids = []
+            return None
+        seq.state = RequestState.WAITING_FOR_REMOTE_KV
+        self._requests[request_id] = seq
+        return list(seq.block_ids)
+
+    def commit_remote_kv(self, request_id: str, first_token_id: int) -> None:
+        """The prompt's KV is in the request's blocks and the prefill worker sampled `first_token_id`."""
+        seq = self._requests[request_id]
+        if seq.state is not RequestState.WAITING_FOR_REMOTE_KV:
+            raise InvalidRequestError("request_id", f"{request_id!r} is not waiting for remote KV")
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.commit_computed(seq)
+        self.scheduler.add_running(seq)
+        out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens)
+        self._append_token(seq, first_token_id, out)
+        if seq.state.finished:
+            self._finish(seq)
+        self._pending_outputs.append(out)
+
+    def abort(self, request_id: str) -> None:
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return
+        self.scheduler.remove(seq)
+        seq.state = RequestState.FINISHED_ABORTED
+        self._finish(seq)
+        self._pending_outputs.append(
+            RequestOutput(request_id, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=seq.num_prompt_tokens)
+        )
+
+    def release(self, request_id: str) -> None:
+        """Free a prefill-only request's blocks once its KV has been sent (or given up on)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is not None:
+            self.blocks.free(seq)
+
+    # ---- stepping ------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
+
+    def step(self) -> list[RequestOutput]:
+        outputs, self._pending_outputs = self._pending_outputs, []
+        plan = self.scheduler.schedule()
+        self._num_preemptions += len(plan.preempted)
+        if plan.empty:
+            return outputs
+        self._steps += 1
+        finishing_prefill = [s.seq for s in plan.scheduled if s.samples and s.seq.prefill_only]
+        hook = None
+        if finishing_prefill and self.on_layer_written is not None:
+            hook = lambda layer: self.on_layer_written(finishing_prefill, layer)  # noqa: E731
+        ordered, logits = self.runner.execute(plan.scheduled, hook)
+        sampling = [s.seq for s in ordered if s.samples]
+        for item in ordered:
+            item.seq.num_computed_tokens += item.num_tokens
+            self.blocks.commit_computed(item.seq)
+        for seq, sample in zip(sampling, self.sampler.sample(logits, sampling)):
+            out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+            self._append_token(seq, sample.token_id, out)
+            if sample.logprob is not None:
+                out.logprobs.append(sample.logprob)
+                out.top_logprobs.append(sample.top_logprobs)
+            if seq.state.finished:
+                self.scheduler.remove(seq)
+                self._finish(seq)
+            outputs.append(out)
+        return outputs
+
+    def stats(self) -> EngineStats:
+        waiting = list(self.scheduler.waiting)
+        return EngineStats(
+            num_waiting=len(waiting),
+            num_running=len(self.scheduler.running),
+            num_waiting_for_kv=sum(1 for s in self._requests.values() if s.state is RequestState.WAITING_FOR_REMOTE_KV),
+            num_held=sum(1 for s in self._requests.values() if s.state is RequestState.FINISHED_PREFILLED),
+            queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in waiting),
+            free_blocks=self.blocks.num_free_blocks,
+            total_blocks=self.blocks.num_blocks,
+            prefix_hit_tokens=self.blocks.prefix_stats.hit_tokens,
+            prefix_query_tokens=self.blocks.prefix_stats.query_tokens,
+            num_preemptions=self._num_preemptions,
+            steps=self._steps,
+        )
+
+    # ---- internals -----------------------------------------------------------------------------
+    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in the engine")
+        if not prompt:
+            raise InvalidRequestError("prompt", "must contain at least one token")
+        if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt):
+            raise InvalidRequestError("prompt_token_ids", f"every id must be an integer in [0, {self.vocab_size})")
+        params.validate(self.vocab_size)
+        total = len(prompt) + (1 if prefill_only else params.max_tokens)
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.max_model_len}"
+            )
+        if self.blocks.blocks_for_tokens(total) > self.blocks.num_blocks:
+            raise InvalidRequestError(
+                "max_tokens", f"prompt + max_tokens ({total} tokens) exceeds this worker's KV capacity of {self.blocks.num_blocks * self.blocks.block_size} tokens"
+            )
+        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only)
+
+    def _append_token(self, seq: Sequence, token_id: int, out: RequestOutput) -> None:
+        seq.append_token(token_id)
+        out.new_token_ids.append(token_id)
+        if seq.prefill_only:
+            seq.state = RequestState.FINISHED_PREFILLED
+        elif token_id in seq.params.stop_token_ids or (not seq.params.ignore_eos and token_id in self.eos_token_ids):
+            seq.state = RequestState.FINISHED_STOPPED
+        elif len(seq.output_token_ids) >= seq.params.max_tokens:
+            seq.state = RequestState.FINISHED_LENGTH
+        if seq.state.finished:
+            out.finished = True
+            out.finish_reason = seq.finish_reason
+
+    def _finish(self, seq: Sequence) -> None:
+        self.sampler.forget(seq.request_id)
+        if seq.state is RequestState.FINISHED_PREFILLED:
+            return  # blocks held for the KV sender until release()
+        self._requests.pop(seq.request_id, None)
+        self.blocks.free(seq)

@@ -1,0 +1,29 @@
+"""Typed errors raised by the engine. Every validation error names the offending field."""
+
+from __future__ import annotations
+
+
+class EngineError(Exception):
+    """Base class of engine errors."""
+
+
+class InvalidRequestError(EngineError, ValueError):
+    """A request field is out of range or malformed; `field` names it (maps to INVALID_ARGUMENT / 400)."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class ModelLoadError(EngineError):
+    """The model could not be resolved or loaded; `field` names the config field that pointed at it."""
+
+    def __init__(self, field: str, message: str):
+        self.field = field
+        self.message = message
+        super().__init__(f"{field}: {message}")
+
+
+class CapacityError(EngineError):
+    """The request can never fit this engine's KV pool (even running alone)."""

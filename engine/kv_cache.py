@@ -1,0 +1,76 @@
+"""Paged KV pool: per-layer key and value tensors carved into fixed-size blocks.
+
+Lifecycle: created once by the engine from a memory budget (`KVCache.blocks_for_budget`),
+written by the attention function through a slot mapping (slot = block_id * block_size + offset),
+read through per-request block tables, and written directly by KV receivers on a decode worker.
+The pool never allocates; which block belongs to whom is the BlockManager's business.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache of one model; identical on every worker that exchanges KV."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_token_per_layer(self) -> int:
+        """Bytes of K plus V for one token in one layer."""
+        return 2 * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.num_layers * self.block_size * self.bytes_per_token_per_layer
+
+
+class KVCache:
+    """Key and value tensors `[num_blocks, block_size, kv_heads, head_dim]` for every layer."""
+
+    def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
+        if num_blocks < 1:
+            raise ValueError("num_blocks must be >= 1")
+        self.layout = layout
+        self.num_blocks = num_blocks
+        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.key_caches = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        self.value_caches = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+
+    @staticmethod
+    def blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
+        return budget_bytes // layout.bytes_per_block
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_blocks * self.layout.bytes_per_block
+
+    def slots(self, block_ids: list[int], num_tokens: int) -> torch.Tensor:
+        """Flat slot indices of the first `num_tokens` token positions held by `block_ids`."""
+        bs = self.layout.block_size
+        blocks = torch.tensor(block_ids, dtype=torch.long)
+        flat = (blocks[:, None] * bs + torch.arange(bs)[None, :]).reshape(-1)
+        return flat[:num_tokens]
+
+    def read_tokens(self, layer: int, block_ids: list[int], num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy out K and V `[num_tokens, kv_heads, head_dim]` of one layer for one request."""
+        slots = self.slots(block_ids, num_tokens).to(self.key_caches[layer].device)
+        flat_k = self.key_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+        flat_v = self.value_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+        return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
+
+    def write_tokens(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+        """Write K and V `[num_tokens, kv_heads, head_dim]` of one layer into a request's blocks."""
+        slots = self.slots(block_ids, k.shape[0]).to(self.key_caches[layer].device)
+        flat_k = self.key_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+        flat_v = self.value_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+        flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
+        flat_v.index_copy_(0, slots, v.to(flat_v.dtype))

@@ -1,0 +1,74 @@
+"""Turn the logits of the requests that sample this step into tokens.
+
+Greedy rows take the argmax; the others apply temperature, top-k and top-p and draw with the
+request's own generator (seeded from `SamplingParams.seed`, else from the engine's seed sequence),
+so a seeded request samples the same tokens whatever it is batched with. Logprobs come from the
+unmodified model distribution.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.sequence import Sequence
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float | None = None
+    top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+class Sampler:
+    def __init__(self, seed: int = 0):
+        self._seed_source = torch.Generator().manual_seed(seed)
+        self._generators: dict[str, torch.Generator] = {}
+
+    def forget(self, request_id: str) -> None:
+        self._generators.pop(request_id, None)
+
+    def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
+        logits = logits.float()
+        tokens = torch.argmax(logits, dim=-1)
+        for row, seq in enumerate(seqs):
+            if not seq.params.greedy:
+                tokens[row] = self._draw(logits[row], seq)
+        token_list = tokens.tolist()
+        samples = [Sample(token_id=t) for t in token_list]
+        want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
+        if want_logprobs:
+            logprobs = torch.log_softmax(logits[want_logprobs], dim=-1)
+            for j, row in enumerate(want_logprobs):
+                samples[row].logprob = logprobs[j, token_list[row]].item()
+                k = seqs[row].params.logprobs
+                if k:
+                    top = torch.topk(logprobs[j], k)
+                    samples[row].top_logprobs = dict(zip(top.indices.tolist(), top.values.tolist()))
+        return samples
+
+    def _draw(self, row: torch.Tensor, seq: Sequence) -> int:
+        p = seq.params
+        scaled = row / max(p.temperature, 1e-5)
+        if p.top_k and p.top_k < scaled.numel():
+            kth = torch.topk(scaled, p.top_k).values[-1]
+            scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+        probs = torch.softmax(scaled, dim=-1)
+        if p.top_p < 1.0:
+            sorted_probs, order = torch.sort(probs, descending=True)
+            cumulative = torch.cumsum(sorted_probs, dim=-1)
+            drop = cumulative - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
+            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
+            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+        return int(torch.multinomial(probs, 1, generator=self._generator(seq)).item())
+
+    def _generator(self, seq: Sequence) -> torch.Generator:
+        gen = self._generators.get(seq.request_id)
+        if gen is None:
+            seed = seq.params.seed
+            if seed is None:
+                seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
+            gen = self._generators[seq.request_id] = torch.Generator().manual_seed(seed)
+        return gen

@@ -1,0 +1,124 @@
+"""Iteration-level scheduler: decides, every step, which requests run and how many tokens each.
+
+One token budget per step (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`).
+Order of service: running requests first (a decode costs one token; a request in the middle of a
+chunked prefill takes its next chunk), then waiting requests in arrival order (chunked prefill: a
+long prompt is split across steps when the budget runs out). When the KV pool cannot grow a running
+request, the most recently admitted running request is preempted by recompute: its blocks are
+freed and it goes back to the head of the waiting queue. The scheduler never touches a tensor.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from engine.block_manager import BlockManager
+from engine.sequence import RequestState, Sequence
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the sequence's last known token, so a new one is sampled."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.blocks = block_manager
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        seq.state = RequestState.WAITING
+        self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence) -> None:
+        """A request whose KV is already in the pool (received from a prefill worker)."""
+        seq.state = RequestState.RUNNING
+        self.running.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.config.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        queue = list(self.running)
+        kept: list[Sequence] = []
+        while queue and budget > 0:
+            seq = queue.pop(0)
+            n = min(seq.num_uncomputed_tokens, budget)
+            while not self.blocks.grow(seq, seq.num_computed_tokens + n):
+                victim = queue.pop() if queue else seq
+                self._preempt(victim, out)
+                if victim is seq:
+                    break
+            else:
+                kept.append(seq)
+                out.scheduled.append(ScheduledSeq(seq, n))
+                budget -= n
+        self.running = kept + queue  # unscheduled (budget exhausted) requests stay running
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        chunked = self.config.enable_chunked_prefill
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0]
+            n = self.blocks.admit(seq, budget if chunked else seq.num_tokens)
+            if n is None:
+                break
+            if n > budget and out.scheduled:  # without chunking a prompt runs whole, alone if need be
+                self.blocks.free(seq)
+                seq.num_computed_tokens = seq.num_cached_tokens = 0
+                break
+            self.waiting.popleft()
+            seq.state = RequestState.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.blocks.free(seq)
+        seq.reset_for_recompute()
+        self.waiting.appendleft(seq)
+        out.preempted.append(seq)

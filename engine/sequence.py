@@ -1,0 +1,98 @@
+"""One request inside the engine: its tokens, its blocks and its state.
+
+Lifecycle (RequestState):
+  WAITING --schedule--> RUNNING --finish--> FINISHED_*
+  RUNNING --preempt (recompute)--> WAITING
+  WAITING_FOR_REMOTE_KV --kv arrived--> RUNNING      (decode worker: prefill done elsewhere)
+  any --abort--> FINISHED_ABORTED
+A prefill-only request (prefill worker) finishes with FINISHED_PREFILLED after its first token
+and keeps its blocks until the KV has been sent (`Engine.release`).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from engine.sampling import SamplingParams
+
+
+class RequestState(enum.Enum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KV = "waiting_for_remote_kv"
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_PREFILLED = "finished_prefilled"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self.name.startswith("FINISHED")
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+    PREFILLED = "prefilled"
+    ERROR = "error"
+
+
+_FINISH_REASONS = {
+    RequestState.FINISHED_STOPPED: FinishReason.STOP,
+    RequestState.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestState.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestState.FINISHED_PREFILLED: FinishReason.PREFILLED,
+    RequestState.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass
+class Sequence:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prefill_only: bool = False
+    arrival_time: float = field(default_factory=time.monotonic)
+    state: RequestState = RequestState.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    block_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    """Prompt tokens whose KV came from the prefix cache at admission."""
+    num_preemptions: int = 0
+    first_scheduled_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self.state)
+
+    def append_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+
+    def reset_for_recompute(self) -> None:
+        """Preempted: drop computed KV; prompt and output so far will be prefilled again."""
+        self.block_ids = []
+        self.num_computed_tokens = 0
+        self.num_cached_tokens = 0
+        self.num_preemptions += 1
+        self.state = RequestState.WAITING

@@ -1,0 +1,80 @@
+"""Shared fixtures: the real demo model (loaded once), tiny random models, HF reference outputs."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from engine import Engine, EngineConfig
+from engine.model_loader import LoadedModel, load_model
+
+DEMO_PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "Explain, in two sentences, why the sky is blue and what Rayleigh scattering has to do with it. "
+    "Then give one everyday example of the same effect that a child could observe at home.",
+    "def fibonacci(n):",
+    "Translate 'good morning' into Spanish, French and German.",
+    "The history of the Roman Empire spans many centuries. " * 12 + "Summarize it in one sentence.",
+    "hi",
+]
+
+
+@pytest.fixture(scope="session")
+def demo_model() -> LoadedModel:
+    return load_model("smollm2-135m")
+
+
+@pytest.fixture(scope="session")
+def demo_prompt_ids(demo_model) -> list[list[int]]:
+    from engine.tokenization import encode_prompt
+
+    return [encode_prompt(demo_model.tokenizer, p) for p in DEMO_PROMPTS]
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(demo_model):
+    """hf_greedy(prompt_ids, max_new_tokens) -> generated ids from transformers' own `generate`
+    (a separately loaded copy with HF's default attention; results cached per session)."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(demo_model.path, dtype=torch.float32).eval()
+    return functools.lru_cache(maxsize=None)(
+        lambda ids, n: hf_generate(reference, list(ids), n)
+    )
+
+
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt_ids]),
+            attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt_ids):].tolist()
+
+
+def make_engine(loaded: LoadedModel, **overrides) -> Engine:
+    overrides.setdefault("model", loaded.path)
+    return Engine(EngineConfig(**overrides), loaded=loaded)
+
+
+def run_to_completion(engine: Engine, max_steps: int = 10_000) -> dict[str, list[int]]:
+    tokens: dict[str, list[int]] = {}
+    for _ in range(max_steps):
+        if not engine.has_work():
+            return tokens
+        for out in engine.step():
+            tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+    raise AssertionError("engine did not finish")
+
+
+def assert_no_leaked_blocks(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats.free_blocks == stats.total_blocks, f"{stats.total_blocks - stats.free_blocks} KV blocks leaked"
+    assert stats.num_running == stats.num_waiting == stats.num_held == 0
