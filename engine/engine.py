@@ -22,7 +22,7 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
-from engine.model_loader import LoadedModel, load_model, model_fingerprint
+from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.sampling import SamplingParams
@@ -86,7 +86,6 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device)
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
-        self.fingerprint = model_fingerprint(model_config.to_json_string(), self.layout.dtype, config.block_size)
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self._num_preemptions = 0
@@ -138,6 +137,11 @@ class Engine:
         self._pending_outputs.append(
             RequestOutput(request_id, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=seq.num_prompt_tokens)
         )
+
+    def held_kv(self, request_id: str) -> tuple[list[int], int]:
+        """Blocks and prompt length of a prefill-only request whose KV is held for sending."""
+        seq = self._requests[request_id]
+        return list(seq.block_ids), seq.num_prompt_tokens
 
     def release(self, request_id: str) -> None:
         """Free a prefill-only request's blocks once its KV has been sent (or given up on)."""

@@ -11,7 +11,6 @@ Nothing is ever fetched from a model hub.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import subprocess
@@ -152,12 +151,3 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedM
         raise ModelLoadError("model", f"could not load {ref!r}: {exc}") from exc
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
-
-
-def model_fingerprint(config_json: str, dtype: torch.dtype, block_size: int) -> str:
-    """Stable hash of what makes two workers' KV caches interchangeable."""
-    h = hashlib.sha256()
-    h.update(config_json.encode())
-    h.update(str(dtype).encode())
-    h.update(str(block_size).encode())
-    return h.hexdigest()[:16]

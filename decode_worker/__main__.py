@@ -1,0 +1,7 @@
+"""`python -m decode_worker -c CONFIG [--port P] [--kv-port K] [--router HOST:PORT]`"""
+
+import sys
+
+from deploy.worker_main import main
+
+sys.exit(main("decode"))

@@ -1,0 +1,196 @@
+"""DecodeWorker gRPC service: admit, receive KV, decode with continuous batching, stream tokens.
+
+Life of one `Decode` call (remote prefill):
+  1. validate and reserve KV blocks for the prompt (`add_remote_request`); when the pool is full the
+     call waits for blocks up to `admission_timeout_s`, then fails RESOURCE_EXHAUSTED (backpressure);
+  2. register the transfer with the KV receiver and answer with `KVAdmission` (endpoint + transfer id);
+  3. wait for the KV; a bad or missing transfer aborts the request, frees its blocks and ends the
+     stream with a `DecodeFinished` carrying the KV error code;
+  4. commit the KV (the request becomes RUNNING with the prefill worker's first token) and stream
+     chunks from the engine's continuous-batching loop until it finishes.
+With `local_prefill` the worker prefills the prompt itself (conditional disaggregation).
+A cancelled call (router gone, deadline) aborts the request on the engine and the receiver.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+import grpc
+
+from engine.async_engine import AsyncEngine
+from engine.errors import InvalidRequestError
+from kvtransfer import KVReceiver, KVTransferError
+from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DecodeService(pb_grpc.DecodeWorkerServicer):
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        receiver: KVReceiver,
+        fingerprint: str,
+        worker_id: str,
+        kv_timeout_s: float = 30.0,
+        admission_timeout_s: float = 30.0,
+    ):
+        self.engine = engine
+        self.receiver = receiver
+        self.fingerprint = fingerprint
+        self.worker_id = worker_id
+        self.kv_timeout_s = kv_timeout_s
+        self.admission_timeout_s = admission_timeout_s
+        self.in_flight = 0
+        self.draining = False
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            params = sampling_from_proto(request.sampling)
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        self._enter()
+        try:
+            if request.local_prefill:
+                outputs = self.engine.generate(request_id, list(request.token_ids), params)
+                async for response in self._stream(request_id, outputs, time.monotonic(), context):
+                    yield response
+                return
+            async for response in self._remote(request_id, request, params, context):
+                yield response
+        finally:
+            self._leave()
+
+    async def _remote(self, request_id, request, params, context) -> AsyncIterator[pb.DecodeResponse]:
+        started = time.monotonic()
+        prompt = list(request.token_ids)
+        blocks = await self._reserve(request_id, prompt, params, context)
+        admitted = time.monotonic()
+        stream = self.engine.open_stream(request_id)
+        transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+        timeout = request.kv_timeout_s or self.kv_timeout_s
+        expected = self.receiver.expect(transfer_id, blocks, len(prompt), self.fingerprint, timeout=timeout)
+        endpoint = self.receiver.endpoint
+        committed = False
+        try:
+            yield pb.DecodeResponse(
+                request_id=request_id,
+                admission=pb.KVAdmission(
+                    kv_destination=pb.KVDestination(
+                        endpoint=pb.KVEndpoint(host=endpoint.host, port=endpoint.port, transport=endpoint.transport),
+                        transfer_id=transfer_id,
+                        model_fingerprint=self.fingerprint,
+                    ),
+                    num_prompt_tokens=len(prompt),
+                    num_blocks=len(blocks),
+                    admission_wait_s=admitted - started,
+                ),
+            )
+            try:
+                received = await expected
+            except KVTransferError as exc:
+                log.warning("request %s: KV transfer failed: %s", request_id, exc)
+                yield _finished(request_id, pb.FINISH_REASON_ERROR, _kv_error(exc))
+                return
+            kv_done = time.monotonic()
+            await self.engine.call(lambda: self.engine.engine.commit_remote_kv(request_id, received.first_token))
+            committed = True
+            timings = pb.StageTimings(decode_admission_s=admitted - started, kv_transfer_s=kv_done - admitted)
+            outputs = self.engine.generate_remote(request_id, stream)
+            async for response in self._stream(request_id, outputs, started, context, timings):
+                yield response
+        finally:
+            if not committed:
+                self.receiver.cancel(transfer_id)
+                self.engine.close_stream(request_id)
+                await self.engine.abort(request_id)
+
+    async def _reserve(self, request_id, prompt, params, context) -> list[int]:
+        deadline = time.monotonic() + self.admission_timeout_s
+        while True:
+            try:
+                blocks = await self.engine.call(lambda: self.engine.engine.add_remote_request(request_id, prompt, params))
+            except InvalidRequestError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            if blocks is not None:
+                return blocks
+            if time.monotonic() > deadline:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
+            await asyncio.sleep(0.02)
+
+    async def _stream(self, request_id, outputs, started, context, timings=None) -> AsyncIterator[pb.DecodeResponse]:
+        usage = pb.Usage()
+        try:
+            async for out in outputs:
+                usage.prompt_tokens = out.num_prompt_tokens or usage.prompt_tokens
+                usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
+                usage.completion_tokens += len(out.new_token_ids)
+                if out.new_token_ids:
+                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
+                if out.finished:
+                    t = timings or pb.StageTimings()
+                    t.e2e_s = time.monotonic() - started
+                    yield pb.DecodeResponse(
+                        request_id=request_id,
+                        finished=pb.DecodeFinished(finish_reason=finish_reason_to_proto(out.finish_reason), usage=usage, timings=t),
+                    )
+                    return
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.draining,
+                                  kv_bytes_received=self.receiver.stats.bytes_received)
+
+    # ---- drain ---------------------------------------------------------------------------------
+    async def drain(self, grace_s: float) -> None:
+        self.draining = True
+        await self._idle.wait()
+
+    def _enter(self) -> None:
+        self.in_flight += 1
+        self._idle.clear()
+
+    def _leave(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+
+def _finished(request_id: str, reason: int, error: pb.Error | None = None) -> pb.DecodeResponse:
+    return pb.DecodeResponse(request_id=request_id, finished=pb.DecodeFinished(finish_reason=reason, error=error))
+
+
+def _kv_error(exc: KVTransferError) -> pb.Error:
+    code = pb.ErrorCode.Value(f"ERROR_CODE_KV_{exc.code.name}") if f"ERROR_CODE_KV_{exc.code.name}" in pb.ErrorCode.keys() else pb.ERROR_CODE_INTERNAL
+    return pb.Error(code=code, message=str(exc))
+
+
+async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining: bool, **extra) -> pb.WorkerStats:
+    s = await engine.stats()
+    return pb.WorkerStats(
+        worker_id=worker_id,
+        role=role,
+        queued_requests=s.num_waiting + s.num_waiting_for_kv,
+        queued_prompt_tokens=s.queued_prompt_tokens,
+        running_requests=s.num_running,
+        free_kv_blocks=s.free_blocks,
+        total_kv_blocks=s.total_blocks,
+        prefix_cache_hit_tokens=s.prefix_hit_tokens,
+        prefix_cache_queried_tokens=s.prefix_query_tokens,
+        draining=draining,
+        timestamp_s=time.time(),
+        **extra,
+    )

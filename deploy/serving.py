@@ -1,0 +1,72 @@
+"""Process lifecycle shared by the router and the workers.
+
+`run_server(...)` starts a grpc.aio server (plus health and reflection), announces readiness as one
+JSON line on stdout (`{"event": "ready", ...}`: what tests and launchers wait for), and serves until
+SIGTERM/SIGINT. Draining then follows the house rule: health goes NOT_SERVING, the service stops
+admitting (`drain()` callback), requests in flight get `grace_s` to finish, then the server stops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+log = logging.getLogger(__name__)
+
+
+def create_server(host: str, port: int, service_names: list[str]) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A grpc.aio server bound to host:port (0 = any free port), with health and reflection."""
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"cannot bind gRPC server to {host}:{port}")
+    return server, bound, health_servicer
+
+
+async def set_serving(health_servicer: health.aio.HealthServicer, service_names: list[str], serving: bool) -> None:
+    status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+    for name in ["", *service_names]:
+        await health_servicer.set(name, status)
+
+
+def announce_ready(**fields) -> None:
+    print(json.dumps({"event": "ready", "pid": os.getpid(), **fields}), flush=True)
+
+
+async def serve_until_signalled(
+    server: grpc.aio.Server,
+    health_servicer: health.aio.HealthServicer,
+    service_names: list[str],
+    drain: Callable[[float], Awaitable[None]],
+    grace_s: float = 30.0,
+) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("draining (grace %.0f s)", grace_s)
+    await set_serving(health_servicer, service_names, False)
+    try:
+        await asyncio.wait_for(drain(grace_s), timeout=grace_s)
+    except asyncio.TimeoutError:
+        log.warning("drain grace period over; stopping with requests in flight")
+    await server.stop(grace=1.0)
+
+
+def configure_logging(level: str = "INFO") -> None:
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )

@@ -1,0 +1,104 @@
+"""Entry point shared by `python -m prefill_worker` and `python -m decode_worker`.
+
+Lifecycle: parse flags, load the YAML config once, build the engine (threads from the pool's CPU
+share), start the KV endpoint (decode: receiver; prefill: sender), start the gRPC server, print
+the ready line, optionally register with the router and heartbeat, serve until SIGTERM, drain, stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import uuid
+
+from deploy.config import PdserveConfig, load_config
+from deploy.serving import announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from engine import Engine
+from engine.async_engine import AsyncEngine
+
+log = logging.getLogger(__name__)
+
+
+def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=f"pdserve {role} worker")
+    parser.add_argument("-c", "--config", default=None, help="YAML config (default: deploy/configs/local.yaml)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    parser.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: any free port)")
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--router", default=None, help="router HOST:PORT to register with")
+    parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def build_engine(config: PdserveConfig, role: str) -> AsyncEngine:
+    pool = getattr(config.pools, role)
+    threads = config.engine.num_threads or pool.num_threads or max(1, int(pool.num_cpus))
+    engine = Engine(dataclasses.replace(config.engine, num_threads=threads))
+    front = AsyncEngine(engine)
+    front.start()
+    return front
+
+
+def main(role: str, argv: list[str] | None = None) -> int:
+    args = parse_args(role, argv)
+    configure_logging(args.log_level)
+    config = load_config(args.config)
+    worker_id = args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"
+    asyncio.run(_serve(role, config, args, worker_id))
+    return 0
+
+
+async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, worker_id: str) -> None:
+    from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+    from kvtransfer import fingerprint
+
+    engine = build_engine(config, role)
+    kv = config.kv_transfer
+    model_fingerprint = fingerprint(engine.engine.layout, engine.engine.loaded.config.to_json_string())
+    if role == "decode":
+        from decode_worker.service import DecodeService
+        from kvtransfer import KVReceiver
+
+        receiver = KVReceiver(engine.engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port)
+        await receiver.start()
+        service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s)
+        service_name = "pdserve.v1.DecodeWorker"
+        closers = [receiver.close]
+    else:
+        from kvtransfer import KVSender
+        from prefill_worker.service import PrefillService
+
+        sender = KVSender(ack_timeout=kv.timeout_s)
+        service = PrefillService(engine, sender, model_fingerprint, worker_id, layerwise=kv.layerwise, ack_timeout_s=kv.timeout_s)
+        service_name = "pdserve.v1.PrefillWorker"
+        closers = [lambda: asyncio.to_thread(sender.close)]
+    server, port, health_servicer = create_server(args.host, args.port, [service_name])
+    if role == "decode":
+        pb_grpc.add_DecodeWorkerServicer_to_server(service, server)
+    else:
+        pb_grpc.add_PrefillWorkerServicer_to_server(service, server)
+    await server.start()
+    await set_serving(health_servicer, [service_name], True)
+    ready = {"role": role, "worker_id": worker_id, "grpc_port": port, "address": f"{args.host}:{port}"}
+    if role == "decode":
+        ready["kv_port"] = receiver.endpoint.port
+    announce_ready(**ready)
+    registration = None
+    if args.router:
+        from router.registry_client import RegistrationLoop
+
+        registration = RegistrationLoop(args.router, role, worker_id, f"{args.host}:{port}", service, config.model_name)
+        registration.start()
+    try:
+        await serve_until_signalled(server, health_servicer, [service_name], service.drain)
+    finally:
+        if registration is not None:
+            await registration.stop()
+        for close in closers:
+            await close()
+        engine.stop()

@@ -1,0 +1,349 @@
+"""KV transfer wire format: framing, message bodies, model fingerprint and checksums.
+
+Pure functions and dataclasses, no I/O. Every transport carries the same frames; only where
+payload bytes travel differs (inline on the TCP stream, or as tagged UCX messages).
+
+A frame is a fixed prelude, the sizes of its payload parts, a body, then the parts:
+
+    prelude  !HBBIIIH2x   magic 'KV', version, kind, stream, seq, body_len, num_parts  (20 B)
+    sizes    !{n}Q        byte length of each payload part
+    body     body_len     kind-specific, struct-packed (below)
+    parts    sum(sizes)   raw bytes (inline transports only)
+
+One transfer is one *stream* on a connection (the sender numbers its streams):
+
+    HELLO    receiver -> sender once per connection: version, transport, connection number,
+             data-plane address (UCX worker address, empty for tcp/local)
+    BEGIN    header: transfer id, model fingerprint, token count, KV layout
+    LAYER    layer index, K bytes, V bytes, crc32 of K||V; parts = [K, V]
+    TRAILER  first sampled token, number of layers, digest = crc32 over the per-layer crcs
+    ABORT    sender gives up (prefill failed or cancelled); reason text
+    RESULT   receiver -> sender: ErrorCode (OK or why it failed) and a message
+
+K and V of a layer are the request's `num_tokens` rows of `[num_kv_heads, head_dim]` in token
+order, i.e. exactly `KVCache.read_tokens(layer, block_ids, num_tokens)` as contiguous bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import zlib
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import Any
+
+import torch
+
+from engine.kv_cache import KVLayout
+from kvtransfer.errors import ErrorCode, ProtocolError
+
+MAGIC = 0x4B56  # "KV"
+WIRE_VERSION = 1
+
+PRELUDE = struct.Struct("!HBBIIIH2x")
+MAX_PARTS = 16
+MAX_BODY = 1 << 20
+
+
+class FrameKind(IntEnum):
+    HELLO = 1
+    BEGIN = 2
+    LAYER = 3
+    TRAILER = 4
+    ABORT = 5
+    RESULT = 6
+
+
+@dataclass(frozen=True)
+class Frame:
+    """One protocol message. `seq` is assigned per connection by the sending channel."""
+
+    kind: FrameKind
+    stream: int = 0
+    body: bytes = b""
+    part_sizes: tuple[int, ...] = ()
+    seq: int = 0
+
+    @property
+    def payload_nbytes(self) -> int:
+        return sum(self.part_sizes)
+
+
+def encode_frame_head(frame: Frame, seq: int) -> bytes:
+    """Prelude + part sizes + body of `frame` sent as number `seq` on its connection."""
+    if len(frame.part_sizes) > MAX_PARTS or len(frame.body) > MAX_BODY:
+        raise ValueError("frame too large")
+    return (
+        PRELUDE.pack(MAGIC, WIRE_VERSION, frame.kind, frame.stream, seq, len(frame.body), len(frame.part_sizes))
+        + struct.pack(f"!{len(frame.part_sizes)}Q", *frame.part_sizes)
+        + frame.body
+    )
+
+
+def decode_prelude(data: bytes | memoryview) -> tuple[FrameKind, int, int, int, int]:
+    """(kind, stream, seq, body_len, num_parts) of a prelude; raises ProtocolError if malformed."""
+    magic, version, kind, stream, seq, body_len, num_parts = PRELUDE.unpack(data)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic:#x}")
+    if version != WIRE_VERSION:
+        raise ProtocolError(f"wire version {version} != {WIRE_VERSION}")
+    if body_len > MAX_BODY or num_parts > MAX_PARTS:
+        raise ProtocolError(f"frame too large: body {body_len} B, {num_parts} parts")
+    try:
+        return FrameKind(kind), stream, seq, body_len, num_parts
+    except ValueError:
+        raise ProtocolError(f"unknown frame kind {kind}") from None
+
+
+def decode_frame_rest(
+    kind: FrameKind, stream: int, seq: int, num_parts: int, rest: bytes | memoryview
+) -> Frame:
+    """Build a Frame from the bytes that follow its prelude (part sizes, then body)."""
+    sizes = struct.unpack_from(f"!{num_parts}Q", rest, 0)
+    return Frame(kind, stream, bytes(rest[8 * num_parts :]), tuple(sizes), seq)
+
+
+# --- strings -------------------------------------------------------------------------------
+
+
+def _pack_str(value: str | bytes) -> bytes:
+    raw = value.encode() if isinstance(value, str) else value
+    return struct.pack("!I", len(raw)) + raw
+
+
+def _unpack_str(data: bytes, offset: int) -> tuple[bytes, int]:
+    (n,) = struct.unpack_from("!I", data, offset)
+    start = offset + 4
+    if start + n > len(data):
+        raise ProtocolError("truncated string field")
+    return data[start : start + n], start + n
+
+
+# --- bodies --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Hello:
+    """Receiver's greeting: protocol and transport check plus data-plane bootstrap."""
+
+    transport: str
+    connection: int
+    data_address: bytes = b""
+
+    def encode(self) -> bytes:
+        return struct.pack("!HI", WIRE_VERSION, self.connection) + _pack_str(self.transport) + _pack_str(
+            self.data_address
+        )
+
+    @classmethod
+    def decode(cls, body: bytes) -> Hello:
+        version, connection = struct.unpack_from("!HI", body, 0)
+        if version != WIRE_VERSION:
+            raise ProtocolError(f"peer speaks wire version {version}, we speak {WIRE_VERSION}")
+        transport, off = _unpack_str(body, 6)
+        address, _ = _unpack_str(body, off)
+        return cls(transport.decode(), connection, address)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+@dataclass(frozen=True)
+class TransferHeader:
+    """What a sender announces before the first layer; validated by the receiver."""
+
+    transfer_id: str
+    fingerprint: str
+    num_tokens: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    _FIXED = struct.Struct("!IHHHH")
+
+    @classmethod
+    def for_layout(cls, transfer_id: str, layout: KVLayout, num_tokens: int, fingerprint: str) -> TransferHeader:
+        return cls(
+            transfer_id=transfer_id,
+            fingerprint=fingerprint,
+            num_tokens=num_tokens,
+            num_layers=layout.num_layers,
+            num_kv_heads=layout.num_kv_heads,
+            head_dim=layout.head_dim,
+            block_size=layout.block_size,
+            dtype=dtype_name(layout.dtype),
+        )
+
+    @property
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    @property
+    def bytes_per_part(self) -> int:
+        """Bytes of K (or of V) of one layer."""
+        return self.num_tokens * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def nbytes(self) -> int:
+        """Payload bytes of the whole transfer (K and V of every layer)."""
+        return 2 * self.num_layers * self.bytes_per_part
+
+    def layout_mismatch(self, layout: KVLayout) -> str | None:
+        """Why this header cannot land in a pool of `layout`, or None if it can."""
+        ours = (layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.block_size, dtype_name(layout.dtype))
+        theirs = (self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.dtype)
+        if ours == theirs:
+            return None
+        names = ("num_layers", "num_kv_heads", "head_dim", "block_size", "dtype")
+        diffs = [f"{n} {t} != {o}" for n, t, o in zip(names, theirs, ours) if t != o]
+        return "layout differs: " + ", ".join(diffs)
+
+    def encode(self) -> bytes:
+        return (
+            self._FIXED.pack(self.num_tokens, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size)
+            + _pack_str(self.dtype)
+            + _pack_str(self.transfer_id)
+            + _pack_str(self.fingerprint)
+        )
+
+    @classmethod
+    def decode(cls, body: bytes) -> TransferHeader:
+        try:
+            num_tokens, num_layers, heads, head_dim, block_size = cls._FIXED.unpack_from(body, 0)
+            dtype, off = _unpack_str(body, cls._FIXED.size)
+            transfer_id, off = _unpack_str(body, off)
+            fp, _ = _unpack_str(body, off)
+            header = cls(transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode())
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"malformed BEGIN: {exc}") from None
+        if not isinstance(getattr(torch, header.dtype, None), torch.dtype):
+            raise ProtocolError(f"unknown dtype {header.dtype!r}")
+        return header
+
+
+@dataclass(frozen=True)
+class LayerMeta:
+    layer: int
+    k_nbytes: int
+    v_nbytes: int
+    crc: int
+
+    _S = struct.Struct("!IQQI")
+
+    def encode(self) -> bytes:
+        return self._S.pack(self.layer, self.k_nbytes, self.v_nbytes, self.crc)
+
+    @classmethod
+    def decode(cls, body: bytes) -> LayerMeta:
+        try:
+            return cls(*cls._S.unpack(body))
+        except struct.error as exc:
+            raise ProtocolError(f"malformed LAYER: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Trailer:
+    first_token: int
+    num_layers: int
+    digest: int
+
+    _S = struct.Struct("!qII")
+
+    def encode(self) -> bytes:
+        return self._S.pack(self.first_token, self.num_layers, self.digest)
+
+    @classmethod
+    def decode(cls, body: bytes) -> Trailer:
+        try:
+            return cls(*cls._S.unpack(body))
+        except struct.error as exc:
+            raise ProtocolError(f"malformed TRAILER: {exc}") from None
+
+
+@dataclass(frozen=True)
+class Result:
+    code: ErrorCode
+    message: str = ""
+
+    def encode(self) -> bytes:
+        return struct.pack("!B", self.code) + _pack_str(self.message)
+
+    @classmethod
+    def decode(cls, body: bytes) -> Result:
+        try:
+            (code,) = struct.unpack_from("!B", body, 0)
+            message, _ = _unpack_str(body, 1)
+            return cls(ErrorCode(code) if code in ErrorCode._value2member_map_ else ErrorCode.PROTOCOL, message.decode())
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"malformed RESULT: {exc}") from None
+
+
+def encode_reason(reason: str) -> bytes:
+    return _pack_str(reason[:4096])
+
+
+def decode_reason(body: bytes) -> str:
+    try:
+        return _unpack_str(body, 0)[0].decode(errors="replace")
+    except (struct.error, ProtocolError):
+        return "<malformed reason>"
+
+
+# --- fingerprint and checksums -------------------------------------------------------------
+
+_VOLATILE_CONFIG_KEYS = ("transformers_version",)
+
+
+def _stable_config(config: Any) -> Any:
+    """Drop keys that differ between installs of the same model (paths, library versions)."""
+    if isinstance(config, dict):
+        return {
+            k: _stable_config(v)
+            for k, v in config.items()
+            if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
+        }
+    if isinstance(config, list):
+        return [_stable_config(v) for v in config]
+    return config
+
+
+def fingerprint(layout: KVLayout, model_config_json: str) -> str:
+    """Hash of everything that must agree for KV bytes to mean the same thing on both sides:
+    the model config (key order, `_`-prefixed keys and library versions ignored), KV dtype,
+    block size, layer count, KV heads, head dim and the wire version. 32 hex chars."""
+    try:
+        config = json.loads(model_config_json) if model_config_json else {}
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"model_config_json is not JSON: {exc}") from None
+    canonical = {
+        "wire_version": WIRE_VERSION,
+        "model_config": _stable_config(config),
+        "kv_layout": {
+            "num_layers": layout.num_layers,
+            "num_kv_heads": layout.num_kv_heads,
+            "head_dim": layout.head_dim,
+            "block_size": layout.block_size,
+            "dtype": dtype_name(layout.dtype),
+        },
+    }
+    text = json.dumps(canonical, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def crc_of(buffers: Iterable[Any], crc: int = 0) -> int:
+    """crc32 over the concatenation of `buffers` (anything exposing the buffer protocol).
+    zlib releases the GIL on large buffers, so this runs well in a worker thread."""
+    for buf in buffers:
+        crc = zlib.crc32(buf, crc)
+    return crc
+
+
+def digest(layer_crcs: Sequence[int]) -> int:
+    """Transfer checksum: crc32 over the per-layer crcs in layer order."""
+    return zlib.crc32(struct.pack(f"!{len(layer_crcs)}I", *layer_crcs))

@@ -1,0 +1,77 @@
+"""Conversions between `pdserve.v1` messages and the engine's in-process dataclasses.
+
+One place for the mapping, used by the router and both workers, so a field is validated and
+defaulted the same way on every hop.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from engine.engine import RequestOutput
+from engine.sampling import SamplingParams
+from engine.sequence import FinishReason
+from proto.pdserve.v1 import pdserve_pb2 as pb
+
+DEFAULT_MAX_TOKENS = 256
+
+_FINISH_TO_PROTO = {
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.ABORT: pb.FINISH_REASON_ABORT,
+    FinishReason.ERROR: pb.FINISH_REASON_ERROR,
+}
+
+
+def sampling_from_proto(msg: pb.SamplingParams, field_prefix: str = "sampling") -> SamplingParams:
+    """Proto -> validated SamplingParams; errors name `sampling.<field>`."""
+    params = SamplingParams(
+        max_tokens=msg.max_tokens or DEFAULT_MAX_TOKENS,
+        temperature=msg.temperature if msg.HasField("temperature") else 1.0,
+        top_p=msg.top_p if msg.HasField("top_p") else 1.0,
+        top_k=msg.top_k if msg.HasField("top_k") else 0,
+        seed=msg.seed if msg.HasField("seed") else None,
+        stop_token_ids=tuple(msg.stop_token_ids),
+        ignore_eos=msg.ignore_eos,
+        logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+    )
+    try:
+        params.validate()
+    except InvalidRequestError as exc:
+        raise InvalidRequestError(f"{field_prefix}.{exc.field}", exc.message) from None
+    return params
+
+
+def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> pb.SamplingParams:
+    msg = pb.SamplingParams(
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        stop_token_ids=list(params.stop_token_ids),
+        stop=list(stop or []),
+        ignore_eos=params.ignore_eos,
+    )
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def finish_reason_to_proto(reason: FinishReason | None) -> int:
+    return _FINISH_TO_PROTO.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason else pb.FINISH_REASON_UNSPECIFIED
+
+
+def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
+    chunk = pb.TokenChunk(token_ids=out.new_token_ids)
+    for token, lp, top in zip(out.new_token_ids, out.logprobs, out.top_logprobs):
+        chunk.logprobs.append(
+            pb.Logprob(token_id=token, logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top.items()])
+        )
+    return chunk
+
+
+async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:
+    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -1,0 +1,118 @@
+"""`python -m router`: the router process (gRPC Router + Registry, HTTP health/metrics/OpenAI).
+
+Lifecycle: load config; load the tokenizer only (no model weights); bind gRPC and HTTP; add static
+workers from flags; expire silent workers every second; print the ready line; serve until
+SIGTERM; drain (health NOT_SERVING, refuse new requests, let streams finish); stop.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import socket
+
+import uvicorn
+
+from deploy.config import PdserveConfig, load_config
+from deploy.serving import announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.http_app import build_app
+from router.metrics import RouterMetrics
+from router.pool import WorkerPool
+from router.service import RegistryService, RouterService, RouterSettings
+
+log = logging.getLogger(__name__)
+SERVICES = ["pdserve.v1.Router", "pdserve.v1.Registry"]
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m router", description="pdserve router")
+    parser.add_argument("-c", "--config", default=None)
+    parser.add_argument("--host", default=None)
+    parser.add_argument("--grpc-port", type=int, default=None)
+    parser.add_argument("--http-port", type=int, default=None)
+    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="static prefill worker")
+    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="static decode worker")
+    parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def load_tokenizer_and_context(config: PdserveConfig):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from engine.model_loader import resolve_model_path
+
+    path = resolve_model_path(config.engine.model)
+    if path.endswith(".gguf"):
+        directory, kwargs = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
+    else:
+        directory, kwargs = path, {}
+    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
+    max_len = config.engine.max_model_len or AutoConfig.from_pretrained(directory, **kwargs).max_position_embeddings
+    return tokenizer, max_len
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    configure_logging(args.log_level)
+    asyncio.run(serve(load_config(args.config), args))
+    return 0
+
+
+async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
+    rc = config.router
+    host = args.host or rc.host
+    tokenizer, max_len = load_tokenizer_and_context(config)
+    metrics = RouterMetrics()
+    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s)
+    for i, address in enumerate(args.prefill):
+        pool.add(f"prefill-static-{i}", "prefill", address, static=True)
+    for i, address in enumerate(args.decode):
+        pool.add(f"decode-static-{i}", "decode", address, static=True)
+    settings = RouterSettings(
+        model_name=config.model_name,
+        max_model_len=max_len,
+        transport=config.kv_transfer.transport,
+        max_queued_requests=rc.max_queued_requests,
+        max_queued_tokens=rc.max_queued_tokens,
+        request_timeout_s=rc.request_timeout_s,
+        prefill_retries=rc.prefill_retries,
+        local_prefill_threshold=rc.local_prefill_threshold,
+    )
+    router = RouterService(settings, tokenizer, pool, metrics)
+    server, grpc_port, health_servicer = create_server(host, rc.grpc_port if args.grpc_port is None else args.grpc_port, SERVICES)
+    pb_grpc.add_RouterServicer_to_server(router, server)
+    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
+    await server.start()
+
+    http_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    http_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    http_sock.bind((host, rc.http_port if args.http_port is None else args.http_port))
+    app = build_app(metrics, pool, config.model_name)
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
+
+    async def watch_workers() -> None:
+        while True:
+            pool.expire()
+            await set_serving(health_servicer, SERVICES, pool.has_role("decode") and not router.draining)
+            await asyncio.sleep(0.5)
+
+    watcher = asyncio.create_task(watch_workers())
+    announce_ready(role="router", grpc_port=grpc_port, http_port=http_sock.getsockname()[1], address=f"{host}:{grpc_port}")
+
+    async def drain(grace_s: float) -> None:
+        router.draining = True
+        watcher.cancel()
+        while router.admission.requests:
+            await asyncio.sleep(0.05)
+
+    try:
+        await serve_until_signalled(server, health_servicer, SERVICES, drain)
+    finally:
+        watcher.cancel()
+        http.should_exit = True
+        await http_task
+        await pool.close()

@@ -1,0 +1,121 @@
+"""The router's view of its workers: who exists, who is healthy, and whom to pick next.
+
+Lifecycle of a worker entry: added from config/flags or by `Registry.Register`; refreshed by
+heartbeats (which carry `WorkerStats`); taken out of rotation when heartbeats stop for longer
+than the timeout or when a call to it fails with UNAVAILABLE (until its next heartbeat); removed
+on `Deregister`. Static workers (from flags) have no heartbeat and are probed with `Stats`.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+
+
+@dataclass
+class Worker:
+    worker_id: str
+    role: str
+    address: str
+    channel: grpc.aio.Channel
+    stub: object
+    static: bool = False
+    healthy: bool = True
+    draining: bool = False
+    last_seen: float = field(default_factory=time.monotonic)
+    stats: pb.WorkerStats | None = None
+    in_flight: int = 0
+
+    @property
+    def load(self) -> float:
+        """Outstanding work as the router sees it, refined by the worker's last stats."""
+        queued = self.stats.queued_requests + self.stats.running_requests if self.stats else 0
+        return self.in_flight + 0.5 * queued
+
+
+class NoWorkerAvailable(Exception):
+    def __init__(self, role: str):
+        super().__init__(f"no healthy {role} worker is available")
+        self.role = role
+
+
+class WorkerPool:
+    def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0):
+        self.policy = policy
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.workers: dict[str, Worker] = {}
+        self._rr = {role: itertools.count() for role in ROLES}
+
+    def add(self, worker_id: str, role: str, address: str, static: bool = False) -> Worker:
+        existing = self.workers.get(worker_id)
+        if existing is not None and existing.address == address:
+            existing.healthy, existing.last_seen = True, time.monotonic()
+            return existing
+        if existing is not None:
+            self.remove(worker_id)
+        channel = grpc.aio.insecure_channel(address)
+        stub = pb_grpc.PrefillWorkerStub(channel) if role == "prefill" else pb_grpc.DecodeWorkerStub(channel)
+        worker = Worker(worker_id, role, address, channel, stub, static=static)
+        self.workers[worker_id] = worker
+        log.info("worker %s (%s) at %s joined", worker_id, role, address)
+        return worker
+
+    def remove(self, worker_id: str) -> None:
+        worker = self.workers.pop(worker_id, None)
+        if worker is not None:
+            log.info("worker %s (%s) left", worker_id, worker.role)
+            worker.channel.close()  # coroutine in grpc.aio: scheduled, not awaited here
+        return None
+
+    def heartbeat(self, worker_id: str, stats: pb.WorkerStats | None) -> bool:
+        worker = self.workers.get(worker_id)
+        if worker is None:
+            return False
+        worker.last_seen = time.monotonic()
+        worker.healthy = True
+        if stats is not None and stats.ByteSize():
+            worker.stats = stats
+            worker.draining = stats.draining
+        return True
+
+    def expire(self) -> None:
+        """Take workers whose heartbeats stopped out of rotation."""
+        now = time.monotonic()
+        for worker in self.workers.values():
+            if not worker.static and worker.healthy and now - worker.last_seen > self.heartbeat_timeout_s:
+                log.warning("worker %s missed heartbeats for %.1f s: out of rotation", worker.worker_id, now - worker.last_seen)
+                worker.healthy = False
+
+    def mark_failed(self, worker: Worker) -> None:
+        worker.healthy = False
+        worker.last_seen = time.monotonic()
+
+    def candidates(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
+        return [w for w in self.workers.values() if w.role == role and w.healthy and not w.draining and w.worker_id not in exclude]
+
+    def pick(self, role: str, exclude: set[str] = frozenset()) -> Worker:
+        candidates = self.candidates(role, exclude)
+        if not candidates:
+            raise NoWorkerAvailable(role)
+        if self.policy == "least_loaded":
+            return min(candidates, key=lambda w: w.load)
+        return candidates[next(self._rr[role]) % len(candidates)]
+
+    def has_role(self, role: str) -> bool:
+        return bool(self.candidates(role))
+
+    async def close(self) -> None:
+        for worker in list(self.workers.values()):
+            await worker.channel.close()
+        self.workers.clear()

@@ -1,0 +1,348 @@
+"""Router gRPC services: the public `Generate` and the worker `Registry`.
+
+Life of one `Generate` call:
+  1. validate; tokenize once (text, chat template, or ids as given); admission against the bounded
+     queue (requests and tokens) -> RESOURCE_EXHAUSTED when full;
+  2. pick a decode worker D and open `Decode`; D answers with its KV admission (endpoint + transfer
+     id), or we ask D to prefill locally (short prompt, conditional disaggregation);
+  3. pick a prefill worker P and call `Prefill` with D's destination; when P fails, D's request is
+     cancelled (its blocks freed) and the attempt is retried on another P, up to `prefill_retries`;
+  4. stream D's chunks to the client through the incremental detokenizer (stop strings end it);
+  5. record per-stage TTFT, ITL, E2E and KV bytes; leaving early (client gone) cancels D and P.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from engine.errors import InvalidRequestError
+from engine.sampling import SamplingParams
+from engine.tokenization import encode_chat, encode_prompt
+from proto.convert import sampling_from_proto, sampling_to_proto
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.detokenizer import IncrementalDetokenizer
+from router.metrics import RouterMetrics
+from router.pool import NoWorkerAvailable, Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+MAX_STOP_STRINGS = 16
+
+
+@dataclass
+class RouterSettings:
+    model_name: str
+    max_model_len: int
+    transport: str
+    max_queued_requests: int = 256
+    max_queued_tokens: int = 262144
+    request_timeout_s: float = 300.0
+    prefill_retries: int = 2
+    local_prefill_threshold: int = 0
+    rpc_timeout_s: float = 30.0
+
+
+class Overloaded(Exception):
+    pass
+
+
+class Admission:
+    """Bounded count of requests and prompt tokens in flight through the router."""
+
+    def __init__(self, max_requests: int, max_tokens: int, metrics: RouterMetrics):
+        self.max_requests, self.max_tokens, self.metrics = max_requests, max_tokens, metrics
+        self.requests = self.tokens = 0
+
+    def acquire(self, num_tokens: int) -> None:
+        if self.requests + 1 > self.max_requests or self.tokens + num_tokens > self.max_tokens:
+            raise Overloaded(f"router queue is full ({self.requests} requests, {self.tokens} tokens in flight)")
+        self.requests += 1
+        self.tokens += num_tokens
+        self._publish()
+
+    def release(self, num_tokens: int) -> None:
+        self.requests -= 1
+        self.tokens -= num_tokens
+        self._publish()
+
+    def _publish(self) -> None:
+        self.metrics.queue_size.set(self.requests)
+        self.metrics.queued_tokens.set(self.tokens)
+
+
+class PrefillFailed(Exception):
+    pass
+
+
+class RouterService(pb_grpc.RouterServicer):
+    def __init__(self, settings: RouterSettings, tokenizer, pool: WorkerPool, metrics: RouterMetrics):
+        self.settings = settings
+        self.tokenizer = tokenizer
+        self.pool = pool
+        self.metrics = metrics
+        self.admission = Admission(settings.max_queued_requests, settings.max_queued_tokens, metrics)
+        self.draining = False
+
+    # ---- public API ----------------------------------------------------------------------------
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        arrived = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            prompt_ids, params, stop = self.validate(request)
+        except InvalidRequestError as exc:
+            self.metrics.requests.labels(outcome="invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining")
+        try:
+            self.admission.acquire(len(prompt_ids))
+        except Overloaded as exc:
+            self.metrics.requests.labels(outcome="overloaded").inc()
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        outcome = "error"
+        try:
+            async for response in self.run(request_id, prompt_ids, params, stop, request.skip_detokenize, arrived, context):
+                if response.finish_reason:
+                    outcome = "ok" if response.finish_reason != pb.FINISH_REASON_ERROR else "error"
+                yield response
+        except asyncio.CancelledError:
+            outcome = "cancelled"
+            raise
+        finally:
+            self.admission.release(len(prompt_ids))
+            self.metrics.requests.labels(outcome=outcome).inc()
+
+    def validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams, list[str]]:
+        if request.model and request.model != self.settings.model_name:
+            raise InvalidRequestError("model", f"{request.model!r} is not served here (serving {self.settings.model_name!r})")
+        kind = request.WhichOneof("prompt")
+        if kind is None:
+            raise InvalidRequestError("prompt", "one of token_ids, text or chat is required")
+        if kind == "token_ids":
+            ids = list(request.token_ids.ids)
+            if not ids:
+                raise InvalidRequestError("prompt.token_ids", "must not be empty")
+            vocab = len(self.tokenizer)
+            if any(t >= vocab for t in ids):
+                raise InvalidRequestError("prompt.token_ids", f"every id must be < {vocab}")
+        elif kind == "text":
+            if not request.text:
+                raise InvalidRequestError("prompt.text", "must not be empty")
+            ids = encode_prompt(self.tokenizer, request.text, raw=request.raw)
+        else:
+            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+            for i, m in enumerate(messages):
+                if m["role"] not in ("system", "user", "assistant"):
+                    raise InvalidRequestError(f"prompt.chat.messages[{i}].role", f"must be system, user or assistant, got {m['role']!r}")
+            ids = encode_chat(self.tokenizer, messages)
+        params = sampling_from_proto(request.sampling)
+        stop = list(request.sampling.stop)
+        if len(stop) > MAX_STOP_STRINGS:
+            raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
+        if len(ids) + params.max_tokens > self.settings.max_model_len:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {self.settings.max_model_len}",
+            )
+        return ids, params, stop
+
+    # ---- orchestration -------------------------------------------------------------------------
+    async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived, context) -> AsyncIterator[pb.GenerateResponse]:
+        detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
+        decode_request = pb.DecodeRequest(request_id=request_id, token_ids=prompt_ids, sampling=_worker_sampling(params))
+        timings = pb.StageTimings(router_queue_s=0.0)
+        failed_prefill: set[str] = set()
+        attempt = 0
+        while True:
+            try:
+                decoder, call, prefill_resp = await self._start(decode_request, prompt_ids, failed_prefill, timings)
+                break
+            except PrefillFailed as exc:
+                attempt += 1
+                if attempt > self.settings.prefill_retries:
+                    yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"prefill failed after {attempt} attempts: {exc}")
+                    return
+                self.metrics.retries.inc()
+                log.warning("request %s: prefill attempt %d failed (%s); retrying", request_id, attempt, exc)
+            except NoWorkerAvailable as exc:
+                yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, str(exc))
+                return
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details())
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self.metrics.requests.labels(outcome="overloaded").inc()
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details())
+                yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker failed: {exc.details()}")
+                return
+        if prefill_resp is not None:
+            self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(prefill_resp.kv_bytes_sent)
+        decoder.in_flight += 1
+        try:
+            async for response in self._relay(request_id, call, detok, arrived, timings):
+                yield response
+        finally:
+            decoder.in_flight -= 1
+            call.cancel()
+
+    async def _start(self, decode_request, prompt_ids, failed_prefill, timings):
+        """Admit on D and get the prompt prefilled; returns (D, its stream, the prefill response)."""
+        decoder = self.pool.pick("decode")
+        local = self._prefill_locally(prompt_ids, failed_prefill)
+        request = pb.DecodeRequest()
+        request.CopyFrom(decode_request)
+        request.local_prefill = local
+        call = DecodeStream(decoder.stub.Decode(request, timeout=self.settings.request_timeout_s))
+        try:
+            first = await asyncio.wait_for(call.read(), timeout=self.settings.rpc_timeout_s)
+        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+            call.cancel()
+            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                self.pool.mark_failed(decoder)
+            raise
+        if first is None:
+            raise NoWorkerAvailable("decode")
+        if local or first.WhichOneof("event") != "admission":
+            call.push_back(first)
+            return decoder, call, None
+        admission = first.admission
+        timings.decode_admission_s = admission.admission_wait_s
+        prefiller = self.pool.pick("prefill", exclude=failed_prefill)
+        prefiller.in_flight += 1
+        try:
+            response = await prefiller.stub.Prefill(
+                pb.PrefillRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids,
+                    sampling=request.sampling,
+                    kv_destination=admission.kv_destination,
+                ),
+                timeout=self.settings.request_timeout_s,
+            )
+        except grpc.aio.AioRpcError as exc:
+            call.cancel()
+            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                raise
+            failed_prefill.add(prefiller.worker_id)
+            if exc.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer" not in (exc.details() or ""):
+                self.pool.mark_failed(prefiller)
+            raise PrefillFailed(f"{prefiller.worker_id}: {exc.code().name} {exc.details()}") from None
+        finally:
+            prefiller.in_flight -= 1
+        pt = response.timings
+        timings.prefill_queue_s = pt.prefill_queue_s
+        timings.prefill_compute_s = pt.prefill_compute_s
+        timings.kv_transfer_s = pt.kv_transfer_s
+        return decoder, call, response
+
+    def _prefill_locally(self, prompt_ids, failed_prefill) -> bool:
+        threshold = self.settings.local_prefill_threshold
+        if not self.pool.has_role("prefill") or (self.pool.candidates("prefill", failed_prefill) == [] and failed_prefill):
+            return True
+        return threshold > 0 and len(prompt_ids) <= threshold
+
+    async def _relay(self, request_id, call, detok, arrived, timings) -> AsyncIterator[pb.GenerateResponse]:
+        last_token_at = None
+        usage = pb.Usage()
+        async for message in call:
+            event = message.WhichOneof("event")
+            if event == "chunk":
+                now = time.monotonic()
+                if last_token_at is None:
+                    timings.ttft_s = now - arrived
+                    self.metrics.ttft.observe(timings.ttft_s)
+                    self.metrics.observe_stages(timings)
+                else:
+                    self.metrics.itl.observe(now - last_token_at)
+                last_token_at = now
+                chunk = pb.TokenChunk(token_ids=message.chunk.token_ids, logprobs=message.chunk.logprobs)
+                usage.completion_tokens += len(chunk.token_ids)
+                self.metrics.tokens.inc(len(chunk.token_ids))
+                if detok is not None:
+                    step = detok.add(list(chunk.token_ids))
+                    chunk.text = step.text
+                    if step.stopped:
+                        timings.e2e_s = time.monotonic() - arrived
+                        self.metrics.e2e.observe(timings.e2e_s)
+                        yield pb.GenerateResponse(request_id=request_id, chunk=chunk, finish_reason=pb.FINISH_REASON_STOP,
+                                                  usage=usage, timings=timings)
+                        return
+                yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
+            elif event == "finished":
+                fin = message.finished
+                usage.prompt_tokens = fin.usage.prompt_tokens
+                usage.cached_prompt_tokens = fin.usage.cached_prompt_tokens
+                tail = pb.TokenChunk(text=detok.finish().text) if detok is not None else pb.TokenChunk()
+                timings.e2e_s = time.monotonic() - arrived
+                if fin.timings.kv_transfer_s:
+                    timings.kv_transfer_s = max(timings.kv_transfer_s, fin.timings.kv_transfer_s)
+                self.metrics.e2e.observe(timings.e2e_s)
+                yield pb.GenerateResponse(request_id=request_id, chunk=tail, finish_reason=fin.finish_reason or pb.FINISH_REASON_STOP,
+                                          usage=usage, timings=timings, error=fin.error if fin.HasField("error") else None)
+                return
+        yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, "decode stream ended without finishing")
+
+
+class DecodeStream:
+    """One `Decode` call read message by message (gRPC forbids mixing `read()` and `async for`
+    on one call); a message read ahead can be pushed back."""
+
+    def __init__(self, call):
+        self._call = call
+        self._pushed: list = []
+
+    async def read(self):
+        if self._pushed:
+            return self._pushed.pop()
+        message = await self._call.read()
+        return None if message is grpc.aio.EOF else message
+
+    def push_back(self, message) -> None:
+        self._pushed.append(message)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    async def __aiter__(self):
+        while (message := await self.read()) is not None:
+            yield message
+
+
+def _worker_sampling(params: SamplingParams) -> pb.SamplingParams:
+    return sampling_to_proto(params)
+
+
+def _error_response(request_id: str, code: int, message: str) -> pb.GenerateResponse:
+    return pb.GenerateResponse(request_id=request_id, finish_reason=pb.FINISH_REASON_ERROR, error=pb.Error(code=code, message=message))
+
+
+class RegistryService(pb_grpc.RegistryServicer):
+    def __init__(self, pool: WorkerPool, heartbeat_interval_s: float = 1.0):
+        self.pool = pool
+        self.heartbeat_interval_s = heartbeat_interval_s
+
+    async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
+        w = request.worker
+        role = {pb.ROLE_PREFILL: "prefill", pb.ROLE_DECODE: "decode"}.get(w.role)
+        if role is None:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker.role: must be ROLE_PREFILL or ROLE_DECODE")
+        if not w.worker_id or not w.address:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "worker.worker_id and worker.address are required")
+        self.pool.add(w.worker_id, role, w.address)
+        return pb.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s, heartbeat_timeout_s=self.pool.heartbeat_timeout_s)
+
+    async def Heartbeat(self, request: pb.HeartbeatRequest, context) -> pb.HeartbeatResponse:
+        known = self.pool.heartbeat(request.worker_id, request.stats if request.HasField("stats") else None)
+        return pb.HeartbeatResponse(known=known)
+
+    async def Deregister(self, request: pb.DeregisterRequest, context) -> pb.DeregisterResponse:
+        self.pool.remove(request.worker_id)
+        return pb.DeregisterResponse()

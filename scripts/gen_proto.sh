@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Regenerate proto/pdserve/v1/pdserve_pb2{,_grpc}.py and pdserve_pb2.pyi from the .proto.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+exec python -m proto.generate "$@"

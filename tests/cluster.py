@@ -1,0 +1,174 @@
+"""Start real pdserve processes on 127.0.0.1 for integration tests, and stop them all.
+
+`LocalCluster` writes a YAML config, launches decode workers, prefill workers and a router as
+separate `python -m ...` processes with OS-assigned ports, waits for each one's ready line, and
+on `stop()` sends SIGTERM (then SIGKILL) to everything it started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+import yaml
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready: dict
+    log_lines: list[str] = field(default_factory=list)
+
+    @property
+    def address(self) -> str:
+        return self.ready["address"]
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+
+def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0) -> Proc:
+    popen = subprocess.Popen(
+        [sys.executable, *args],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        start_new_session=True,
+    )
+    lines: list[str] = []
+    ready: dict = {}
+    got_ready = threading.Event()
+
+    def pump() -> None:
+        for line in popen.stdout:
+            lines.append(line.rstrip())
+            if not got_ready.is_set() and line.startswith('{"event": "ready"'):
+                ready.update(json.loads(line))
+                got_ready.set()
+
+    threading.Thread(target=pump, daemon=True).start()
+    deadline = time.monotonic() + timeout
+    while not got_ready.wait(0.1):
+        if popen.poll() is not None or time.monotonic() > deadline:
+            popen.kill()
+            raise RuntimeError(f"{name} did not start:\n" + "\n".join(lines[-40:]))
+    return Proc(name, popen, ready, lines)
+
+
+def stop_process(proc: Proc, timeout: float = 20.0) -> None:
+    if proc.alive():
+        proc.popen.send_signal(signal.SIGTERM)
+        try:
+            proc.popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.popen.pid, signal.SIGKILL)
+            proc.popen.wait(5)
+
+
+def write_config(path: Path, transport: str = "ucx", **sections) -> Path:
+    config = {
+        "engine": {"model": "smollm2-135m", "kv_cache_memory_mb": 128, "max_num_batched_tokens": 1024, "num_threads": 1},
+        "kv_transfer": {"transport": transport, "timeout_s": 20},
+        "router": {"max_queued_requests": 64},
+    }
+    for key, value in sections.items():
+        config.setdefault(key, {}).update(value)
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+class LocalCluster:
+    def __init__(self, config_path: Path, num_prefill: int = 1, num_decode: int = 1, env: dict | None = None,
+                 register: bool = False):
+        self.config_path = config_path
+        self.num_prefill, self.num_decode = num_prefill, num_decode
+        self.env = env or {}
+        self.register = register
+        self.prefill: list[Proc] = []
+        self.decode: list[Proc] = []
+        self.router: Proc | None = None
+
+    def start(self) -> "LocalCluster":
+        try:
+            cfg = ["-c", str(self.config_path)]
+            if self.register:
+                self.router = start_process("router", ["-m", "router", *cfg, "--grpc-port", "0", "--http-port", "0"], self.env)
+                extra = ["--router", self.router.address]
+            else:
+                extra = []
+            for i in range(self.num_decode):
+                self.decode.append(start_process(f"decode{i}", ["-m", "decode_worker", *cfg, *extra], self.env))
+            for i in range(self.num_prefill):
+                self.prefill.append(start_process(f"prefill{i}", ["-m", "prefill_worker", *cfg, *extra], self.env))
+            if not self.register:
+                static = [a for p in self.prefill for a in ("--prefill", p.address)]
+                static += [a for d in self.decode for a in ("--decode", d.address)]
+                self.router = start_process("router", ["-m", "router", *cfg, "--grpc-port", "0", "--http-port", "0", *static], self.env)
+            else:
+                self.wait_registered()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def wait_registered(self, timeout: float = 30.0) -> None:
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        deadline = time.monotonic() + timeout
+        with grpc.insecure_channel(self.router.address) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            while time.monotonic() < deadline:
+                if stub.Check(health_pb2.HealthCheckRequest(service="")).status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                time.sleep(0.2)
+        raise RuntimeError("workers did not register with the router")
+
+    def stop(self) -> None:
+        for proc in [self.router, *self.prefill, *self.decode]:
+            if proc is not None:
+                stop_process(proc)
+
+    @property
+    def http_url(self) -> str:
+        return f"http://127.0.0.1:{self.router.ready['http_port']}"
+
+    def worker_stats(self, proc: Proc) -> pb.WorkerStats:
+        with grpc.insecure_channel(proc.address) as channel:
+            stub = (pb_grpc.DecodeWorkerStub if proc in self.decode else pb_grpc.PrefillWorkerStub)(channel)
+            return stub.Stats(pb.StatsRequest(), timeout=10)
+
+    def assert_no_leaked_blocks(self, timeout: float = 15.0) -> None:
+        """Every live worker's KV blocks are all free again (waits briefly for aborts to land)."""
+        deadline = time.monotonic() + timeout
+        for proc in [*self.prefill, *self.decode]:
+            if not proc.alive():
+                continue
+            while True:
+                stats = self.worker_stats(proc)
+                if stats.free_kv_blocks == stats.total_kv_blocks and stats.running_requests == 0:
+                    break
+                if time.monotonic() > deadline:
+                    raise AssertionError(f"{proc.name}: {stats.total_kv_blocks - stats.free_kv_blocks} KV blocks leaked ({stats})")
+                time.sleep(0.2)
+
+    def __enter__(self) -> "LocalCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
