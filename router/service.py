@@ -82,6 +82,10 @@ class PrefillFailed(Exception):
     pass
 
 
+class Unavailable(Exception):
+    """No worker can take the request now (maps to UNAVAILABLE / HTTP 503)."""
+
+
 class RouterService(pb_grpc.RouterServicer):
     def __init__(self, settings: RouterSettings, tokenizer, pool: WorkerPool, metrics: RouterMetrics):
         self.settings = settings
@@ -93,28 +97,49 @@ class RouterService(pb_grpc.RouterServicer):
 
     # ---- public API ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            async for response in self.stream(request):
+                yield response
+        except InvalidRequestError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        except Overloaded as exc:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+        except Unavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+
+    async def stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+        """Transport-neutral core of Generate, shared by gRPC and the OpenAI HTTP API.
+        Raises InvalidRequestError, Overloaded or Unavailable before the first message; later
+        failures end the stream with a message whose `error` is set."""
         arrived = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids, params, stop = self.validate(request)
-        except InvalidRequestError as exc:
+        except InvalidRequestError:
             self.metrics.requests.labels(outcome="invalid").inc()
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            raise
         if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "router is draining")
+            raise Unavailable("router is draining")
         try:
             self.admission.acquire(len(prompt_ids))
-        except Overloaded as exc:
+        except Overloaded:
             self.metrics.requests.labels(outcome="overloaded").inc()
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
+            raise
         outcome = "error"
         try:
-            async for response in self.run(request_id, prompt_ids, params, stop, request.skip_detokenize, arrived, context):
+            first = True
+            async for response in self.run(request_id, prompt_ids, params, stop, request.skip_detokenize, arrived):
+                if first:
+                    response.prompt_token_ids.extend(prompt_ids)
+                    first = False
                 if response.finish_reason:
                     outcome = "ok" if response.finish_reason != pb.FINISH_REASON_ERROR else "error"
                 yield response
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, GeneratorExit):
             outcome = "cancelled"
+            raise
+        except (InvalidRequestError, Overloaded):
+            outcome = "invalid"
             raise
         finally:
             self.admission.release(len(prompt_ids))
@@ -155,7 +180,7 @@ class RouterService(pb_grpc.RouterServicer):
         return ids, params, stop
 
     # ---- orchestration -------------------------------------------------------------------------
-    async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived, context) -> AsyncIterator[pb.GenerateResponse]:
+    async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived) -> AsyncIterator[pb.GenerateResponse]:
         detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
         decode_request = pb.DecodeRequest(request_id=request_id, token_ids=prompt_ids, sampling=_worker_sampling(params))
         timings = pb.StageTimings(router_queue_s=0.0)
@@ -177,10 +202,9 @@ class RouterService(pb_grpc.RouterServicer):
                 return
             except grpc.aio.AioRpcError as exc:
                 if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.details())
+                    raise InvalidRequestError(*_split_field(exc.details())) from None
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    self.metrics.requests.labels(outcome="overloaded").inc()
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, exc.details())
+                    raise Overloaded(exc.details()) from None
                 yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker failed: {exc.details()}")
                 return
         if prefill_resp is not None:
@@ -314,6 +338,12 @@ class DecodeStream:
     async def __aiter__(self):
         while (message := await self.read()) is not None:
             yield message
+
+
+def _split_field(details: str) -> tuple[str, str]:
+    """'field: message' from a worker's INVALID_ARGUMENT back into its parts."""
+    field, _, message = (details or "request: invalid").partition(": ")
+    return field, message or details
 
 
 def _worker_sampling(params: SamplingParams) -> pb.SamplingParams:
