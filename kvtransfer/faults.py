@@ -6,7 +6,7 @@ whether to tamper with the bytes it is about to put on the wire; the checksum it
 always the one of the untouched bytes, so the receiver sees exactly an in-flight corruption.
 Never enabled unless configured.
 
-`PDSERVE_KV_FAULTS` syntax: comma-separated `corrupt:<transfer_id or *>:<layer>` entries.
+`PDSERVE_KV_FAULTS` syntax: comma-separated `corrupt:<transfer_id, prefix* or *>:<layer>` entries.
 """
 
 from __future__ import annotations
@@ -48,9 +48,18 @@ class FaultInjector:
         log.warning("KV fault injection enabled: %s", corrupt)
         return cls(corrupt=corrupt)
 
+    def _target(self, transfer_id: str) -> int | None:
+        """Layer to damage for this transfer: exact id, then `prefix*` patterns, then `*`."""
+        if transfer_id in self.corrupt:
+            return self.corrupt[transfer_id]
+        for pattern, layer in self.corrupt.items():
+            if pattern.endswith(ANY) and transfer_id.startswith(pattern[:-1]):
+                return layer
+        return None
+
     def tamper(self, transfer_id: str, layer: int, parts: Sequence[np.ndarray]) -> list[np.ndarray]:
         """The parts to put on the wire: copies with one flipped byte if this layer is targeted."""
-        target = self.corrupt.get(transfer_id, self.corrupt.get(ANY))
+        target = self._target(transfer_id)
         if target != layer or not parts or not len(parts[0]):
             return list(parts)
         damaged = parts[0].copy()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 import uuid
 
@@ -32,6 +33,10 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+# Test hook (off unless set): stall the engine thread after this layer's KV went out, so a test can
+# kill the worker in the middle of a transfer.
+_PAUSE_AFTER_LAYER = int(os.environ.get("PDSERVE_TEST_PAUSE_AFTER_LAYER", "-1"))
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
@@ -111,6 +116,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             if transfer is not None:
                 k, v = cache.read_tokens(layer, seq.block_ids, seq.num_prompt_tokens)
                 transfer.send_layer(layer, k, v)
+        if layer == _PAUSE_AFTER_LAYER:
+            log.warning("test hook: pausing after layer %d mid-transfer", layer)
+            time.sleep(3600)  # a test kills this process now
 
     async def _send_all_layers(self, request_id: str, transfer) -> None:
         engine = self.engine.engine

@@ -14,11 +14,12 @@ Life of one `Generate` call:
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -30,7 +31,7 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
-from router.pool import NoWorkerAvailable, Worker, WorkerPool
+from router.pool import NoWorkerAvailable, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -181,22 +182,26 @@ class RouterService(pb_grpc.RouterServicer):
 
     # ---- orchestration -------------------------------------------------------------------------
     async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived) -> AsyncIterator[pb.GenerateResponse]:
-        detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, prompt_ids, stop)
-        decode_request = pb.DecodeRequest(request_id=request_id, token_ids=prompt_ids, sampling=_worker_sampling(params))
-        timings = pb.StageTimings(router_queue_s=0.0)
+        state = _Progress(
+            request_id=request_id,
+            prompt_ids=prompt_ids,
+            params=params,
+            arrived=arrived,
+            detok=None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, prompt_ids, stop),
+        )
         failed_prefill: set[str] = set()
-        attempt = 0
+        prefill_failures = migrations = 0
         while True:
             try:
-                decoder, call, prefill_resp = await self._start(decode_request, prompt_ids, failed_prefill, timings)
-                break
+                decoder, call, prefill_resp = await self._start(state.next_attempt(), failed_prefill, state.timings)
             except PrefillFailed as exc:
-                attempt += 1
-                if attempt > self.settings.prefill_retries:
-                    yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"prefill failed after {attempt} attempts: {exc}")
+                prefill_failures += 1
+                if prefill_failures > self.settings.prefill_retries:
+                    yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"prefill failed after {prefill_failures} attempts: {exc}")
                     return
                 self.metrics.retries.inc()
-                log.warning("request %s: prefill attempt %d failed (%s); retrying", request_id, attempt, exc)
+                log.warning("request %s: prefill attempt %d failed (%s); retrying", request_id, prefill_failures, exc)
+                continue
             except NoWorkerAvailable as exc:
                 yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, str(exc))
                 return
@@ -207,22 +212,30 @@ class RouterService(pb_grpc.RouterServicer):
                     raise Overloaded(exc.details()) from None
                 yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker failed: {exc.details()}")
                 return
-        if prefill_resp is not None:
-            self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(prefill_resp.kv_bytes_sent)
-        decoder.in_flight += 1
-        try:
-            async for response in self._relay(request_id, call, detok, arrived, timings):
-                yield response
-        finally:
-            decoder.in_flight -= 1
-            call.cancel()
+            if prefill_resp is not None:
+                self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(prefill_resp.kv_bytes_sent)
+            decoder.in_flight += 1
+            try:
+                async for response in self._relay(call, state):
+                    yield response
+                return
+            except DecodeLost as exc:
+                self.pool.mark_failed(decoder)
+                migrations += 1
+                if migrations > self.settings.max_migrations:
+                    yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker lost {migrations} times: {exc}")
+                    return
+                self.metrics.migrations.inc()
+                log.warning("request %s: decode worker %s lost after %d tokens (%s); migrating",
+                            request_id, decoder.worker_id, len(state.generated), exc)
+            finally:
+                decoder.in_flight -= 1
+                call.cancel()
 
-    async def _start(self, decode_request, prompt_ids, failed_prefill, timings):
+    async def _start(self, request: pb.DecodeRequest, failed_prefill, timings):
         """Admit on D and get the prompt prefilled; returns (D, its stream, the prefill response)."""
         decoder = self.pool.pick("decode")
-        local = self._prefill_locally(prompt_ids, failed_prefill)
-        request = pb.DecodeRequest()
-        request.CopyFrom(decode_request)
+        local = self._prefill_locally(list(request.token_ids))
         request.local_prefill = local
         call = DecodeStream(decoder.stub.Decode(request, timeout=self.settings.request_timeout_s))
         try:
@@ -239,7 +252,8 @@ class RouterService(pb_grpc.RouterServicer):
             return decoder, call, None
         admission = first.admission
         timings.decode_admission_s = admission.admission_wait_s
-        prefiller = self.pool.pick("prefill", exclude=failed_prefill)
+        # prefer a prefill worker that has not failed this request; else retry the same one
+        prefiller = self.pool.pick("prefill", exclude=failed_prefill if self.pool.candidates("prefill", failed_prefill) else set())
         prefiller.in_flight += 1
         try:
             response = await prefiller.stub.Prefill(
@@ -267,52 +281,92 @@ class RouterService(pb_grpc.RouterServicer):
         timings.kv_transfer_s = pt.kv_transfer_s
         return decoder, call, response
 
-    def _prefill_locally(self, prompt_ids, failed_prefill) -> bool:
+    def _prefill_locally(self, prompt_ids: list[int]) -> bool:
+        """Conditional disaggregation: no prefill pool, or a prompt short enough for D to run."""
         threshold = self.settings.local_prefill_threshold
-        if not self.pool.has_role("prefill") or (self.pool.candidates("prefill", failed_prefill) == [] and failed_prefill):
-            return True
-        return threshold > 0 and len(prompt_ids) <= threshold
+        return not self.pool.has_role("prefill") or 0 < len(prompt_ids) <= threshold
 
-    async def _relay(self, request_id, call, detok, arrived, timings) -> AsyncIterator[pb.GenerateResponse]:
-        last_token_at = None
-        usage = pb.Usage()
-        async for message in call:
-            event = message.WhichOneof("event")
-            if event == "chunk":
-                now = time.monotonic()
-                if last_token_at is None:
-                    timings.ttft_s = now - arrived
-                    self.metrics.ttft.observe(timings.ttft_s)
-                    self.metrics.observe_stages(timings)
-                else:
-                    self.metrics.itl.observe(now - last_token_at)
-                last_token_at = now
-                chunk = pb.TokenChunk(token_ids=message.chunk.token_ids, logprobs=message.chunk.logprobs)
-                usage.completion_tokens += len(chunk.token_ids)
-                self.metrics.tokens.inc(len(chunk.token_ids))
-                if detok is not None:
-                    step = detok.add(list(chunk.token_ids))
-                    chunk.text = step.text
-                    if step.stopped:
-                        timings.e2e_s = time.monotonic() - arrived
-                        self.metrics.e2e.observe(timings.e2e_s)
-                        yield pb.GenerateResponse(request_id=request_id, chunk=chunk, finish_reason=pb.FINISH_REASON_STOP,
-                                                  usage=usage, timings=timings)
+    async def _relay(self, call: "DecodeStream", state: "_Progress") -> AsyncIterator[pb.GenerateResponse]:
+        """Forward one decode worker's stream; raises DecodeLost if the worker goes away mid-stream."""
+        try:
+            async for message in call:
+                event = message.WhichOneof("event")
+                if event == "chunk":
+                    response = self._on_chunk(state, message.chunk)
+                    yield response
+                    if response.finish_reason:
                         return
-                yield pb.GenerateResponse(request_id=request_id, chunk=chunk)
-            elif event == "finished":
-                fin = message.finished
-                usage.prompt_tokens = fin.usage.prompt_tokens
-                usage.cached_prompt_tokens = fin.usage.cached_prompt_tokens
-                tail = pb.TokenChunk(text=detok.finish().text) if detok is not None else pb.TokenChunk()
-                timings.e2e_s = time.monotonic() - arrived
-                if fin.timings.kv_transfer_s:
-                    timings.kv_transfer_s = max(timings.kv_transfer_s, fin.timings.kv_transfer_s)
-                self.metrics.e2e.observe(timings.e2e_s)
-                yield pb.GenerateResponse(request_id=request_id, chunk=tail, finish_reason=fin.finish_reason or pb.FINISH_REASON_STOP,
-                                          usage=usage, timings=timings, error=fin.error if fin.HasField("error") else None)
-                return
-        yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, "decode stream ended without finishing")
+                elif event == "finished":
+                    yield self._on_finished(state, message.finished)
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED):
+                raise DecodeLost(f"{exc.code().name}: {exc.details()}") from None
+            raise
+        raise DecodeLost("decode stream ended without finishing")
+
+    def _on_chunk(self, state: "_Progress", worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
+        now = time.monotonic()
+        if state.last_token_at is None:
+            state.timings.ttft_s = now - state.arrived
+            self.metrics.ttft.observe(state.timings.ttft_s)
+            self.metrics.observe_stages(state.timings)
+        else:
+            self.metrics.itl.observe(now - state.last_token_at)
+        state.last_token_at = now
+        chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids, logprobs=worker_chunk.logprobs)
+        state.generated.extend(chunk.token_ids)
+        self.metrics.tokens.inc(len(chunk.token_ids))
+        if state.detok is not None:
+            step = state.detok.add(list(chunk.token_ids))
+            chunk.text = step.text
+            if step.stopped:
+                return state.final(chunk, pb.FINISH_REASON_STOP, self.metrics)
+        return pb.GenerateResponse(request_id=state.request_id, chunk=chunk)
+
+    def _on_finished(self, state: "_Progress", fin: pb.DecodeFinished) -> pb.GenerateResponse:
+        state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
+        if fin.timings.kv_transfer_s:
+            state.timings.kv_transfer_s = max(state.timings.kv_transfer_s, fin.timings.kv_transfer_s)
+        tail = pb.TokenChunk(text=state.detok.finish().text) if state.detok is not None else pb.TokenChunk()
+        response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics)
+        if fin.HasField("error"):
+            response.error.CopyFrom(fin.error)
+        return response
+
+
+class DecodeLost(Exception):
+    """The decode worker went away mid-stream; the request can migrate."""
+
+
+@dataclass
+class _Progress:
+    """What the router knows about one request across attempts and migrations."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrived: float
+    detok: IncrementalDetokenizer | None
+    generated: list[int] = field(default_factory=list)
+    timings: pb.StageTimings = field(default_factory=pb.StageTimings)
+    last_token_at: float | None = None
+    cached_prompt_tokens: int = 0
+    attempts: int = 0
+
+    def next_attempt(self) -> pb.DecodeRequest:
+        """A DecodeRequest that continues from what was already streamed (prompt + generated)."""
+        remaining = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - len(self.generated))
+        request_id = f"{self.request_id}.{self.attempts}"
+        self.attempts += 1
+        return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + self.generated, sampling=sampling_to_proto(remaining))
+
+    def final(self, chunk: pb.TokenChunk, reason: int, metrics: RouterMetrics) -> pb.GenerateResponse:
+        self.timings.e2e_s = time.monotonic() - self.arrived
+        metrics.e2e.observe(self.timings.e2e_s)
+        usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.generated),
+                         cached_prompt_tokens=self.cached_prompt_tokens)
+        return pb.GenerateResponse(request_id=self.request_id, chunk=chunk, finish_reason=reason, usage=usage, timings=self.timings)
 
 
 class DecodeStream:
@@ -344,10 +398,6 @@ def _split_field(details: str) -> tuple[str, str]:
     """'field: message' from a worker's INVALID_ARGUMENT back into its parts."""
     field, _, message = (details or "request: invalid").partition(": ")
     return field, message or details
-
-
-def _worker_sampling(params: SamplingParams) -> pb.SamplingParams:
-    return sampling_to_proto(params)
 
 
 def _error_response(request_id: str, code: int, message: str) -> pb.GenerateResponse:

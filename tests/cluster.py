@@ -95,10 +95,12 @@ def write_config(path: Path, transport: str = "ucx", **sections) -> Path:
 
 class LocalCluster:
     def __init__(self, config_path: Path, num_prefill: int = 1, num_decode: int = 1, env: dict | None = None,
-                 register: bool = False):
+                 register: bool = False, process_env: dict[str, dict] | None = None):
         self.config_path = config_path
         self.num_prefill, self.num_decode = num_prefill, num_decode
         self.env = env or {}
+        self.process_env = process_env or {}
+        """Extra environment for single processes by name: router, prefill0, decode1, ..."""
         self.register = register
         self.prefill: list[Proc] = []
         self.decode: list[Proc] = []
@@ -113,9 +115,9 @@ class LocalCluster:
             else:
                 extra = []
             for i in range(self.num_decode):
-                self.decode.append(start_process(f"decode{i}", ["-m", "decode_worker", *cfg, *extra], self.env))
+                self.decode.append(start_process(f"decode{i}", ["-m", "decode_worker", *cfg, *extra], self._env(f"decode{i}")))
             for i in range(self.num_prefill):
-                self.prefill.append(start_process(f"prefill{i}", ["-m", "prefill_worker", *cfg, *extra], self.env))
+                self.prefill.append(start_process(f"prefill{i}", ["-m", "prefill_worker", *cfg, *extra], self._env(f"prefill{i}")))
             if not self.register:
                 static = [a for p in self.prefill for a in ("--prefill", p.address)]
                 static += [a for d in self.decode for a in ("--decode", d.address)]
@@ -126,6 +128,9 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _env(self, name: str) -> dict:
+        return {**self.env, **self.process_env.get(name, {})}
 
     def wait_registered(self, timeout: float = 30.0) -> None:
         from grpc_health.v1 import health_pb2, health_pb2_grpc
