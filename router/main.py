@@ -79,6 +79,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
         max_queued_tokens=rc.max_queued_tokens,
         request_timeout_s=rc.request_timeout_s,
         prefill_retries=rc.prefill_retries,
+        max_migrations=rc.max_migrations,
         local_prefill_threshold=rc.local_prefill_threshold,
     )
     router = RouterService(settings, tokenizer, pool, metrics)
@@ -90,7 +91,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
     http_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     http_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     http_sock.bind((host, rc.http_port if args.http_port is None else args.http_port))
-    app = build_app(metrics, pool, config.model_name)
+    app = build_app(router)
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
 

@@ -47,6 +47,7 @@ class RouterSettings:
     max_queued_tokens: int = 262144
     request_timeout_s: float = 300.0
     prefill_retries: int = 2
+    max_migrations: int = 2
     local_prefill_threshold: int = 0
     rpc_timeout_s: float = 30.0
 
