@@ -98,6 +98,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
     async def watch_workers() -> None:
         while True:
             pool.expire()
+            await pool.refresh_static_stats()
             await set_serving(health_servicer, SERVICES, pool.has_role("decode") and not router.draining)
             await asyncio.sleep(0.5)
 

@@ -8,7 +8,6 @@ on `Deregister`. Static workers (from flags) have no heartbeat and are probed wi
 
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -36,6 +35,8 @@ class Worker:
     last_seen: float = field(default_factory=time.monotonic)
     stats: pb.WorkerStats | None = None
     in_flight: int = 0
+    routed: int = 0
+    """Requests the router has sent here (tie-breaker and observability)."""
 
     @property
     def load(self) -> float:
@@ -52,10 +53,11 @@ class NoWorkerAvailable(Exception):
 
 class WorkerPool:
     def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0):
-        self.policy = policy
+        from router.policy import make_policy
+
+        self.policy = make_policy(policy)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.workers: dict[str, Worker] = {}
-        self._rr = {role: itertools.count() for role in ROLES}
 
     def add(self, worker_id: str, role: str, address: str, static: bool = False) -> Worker:
         existing = self.workers.get(worker_id)
@@ -104,13 +106,22 @@ class WorkerPool:
     def candidates(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.healthy and not w.draining and w.worker_id not in exclude]
 
-    def pick(self, role: str, exclude: set[str] = frozenset()) -> Worker:
+    def pick(self, role: str, prompt_ids: list[int], exclude: set[str] = frozenset()) -> Worker:
         candidates = self.candidates(role, exclude)
         if not candidates:
             raise NoWorkerAvailable(role)
-        if self.policy == "least_loaded":
-            return min(candidates, key=lambda w: w.load)
-        return candidates[next(self._rr[role]) % len(candidates)]
+        worker = self.policy.choose(role, candidates, prompt_ids)
+        worker.routed += 1
+        return worker
+
+    async def refresh_static_stats(self, timeout_s: float = 2.0) -> None:
+        """Workers given by address have no heartbeat: poll their Stats (and health) instead."""
+        for worker in [w for w in self.workers.values() if w.static]:
+            try:
+                worker.stats = await worker.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
+                worker.healthy, worker.draining = True, worker.stats.draining
+            except grpc.aio.AioRpcError:
+                worker.healthy = False
 
     def has_role(self, role: str) -> bool:
         return bool(self.candidates(role))

@@ -100,7 +100,7 @@ class RouterService(pb_grpc.RouterServicer):
     # ---- public API ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
         try:
-            async for response in self.stream(request):
+            async for response in self.stream(request, timeout_s=context.time_remaining()):
                 yield response
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
@@ -109,11 +109,13 @@ class RouterService(pb_grpc.RouterServicer):
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
 
-    async def stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateResponse]:
+    async def stream(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """Transport-neutral core of Generate, shared by gRPC and the OpenAI HTTP API.
         Raises InvalidRequestError, Overloaded or Unavailable before the first message; later
-        failures end the stream with a message whose `error` is set."""
+        failures end the stream with a message whose `error` is set. The client's deadline
+        (`timeout_s`) bounds every call to the workers."""
         arrived = time.monotonic()
+        deadline = arrived + min(timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids, params, stop = self.validate(request)
@@ -130,7 +132,7 @@ class RouterService(pb_grpc.RouterServicer):
         outcome = "error"
         try:
             first = True
-            async for response in self.run(request_id, prompt_ids, params, stop, request.skip_detokenize, arrived):
+            async for response in self.run(request_id, prompt_ids, params, stop, request.skip_detokenize, arrived, deadline):
                 if first:
                     response.prompt_token_ids.extend(prompt_ids)
                     first = False
@@ -182,19 +184,20 @@ class RouterService(pb_grpc.RouterServicer):
         return ids, params, stop
 
     # ---- orchestration -------------------------------------------------------------------------
-    async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived) -> AsyncIterator[pb.GenerateResponse]:
+    async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived, deadline) -> AsyncIterator[pb.GenerateResponse]:
         state = _Progress(
             request_id=request_id,
             prompt_ids=prompt_ids,
             params=params,
             arrived=arrived,
+            deadline=deadline,
             detok=None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, prompt_ids, stop),
         )
         failed_prefill: set[str] = set()
         prefill_failures = migrations = 0
         while True:
             try:
-                decoder, call, prefill_resp = await self._start(state.next_attempt(), failed_prefill, state.timings)
+                decoder, call, prefill_resp = await self._start(state.next_attempt(), failed_prefill, state)
             except PrefillFailed as exc:
                 prefill_failures += 1
                 if prefill_failures > self.settings.prefill_retries:
@@ -233,14 +236,16 @@ class RouterService(pb_grpc.RouterServicer):
                 decoder.in_flight -= 1
                 call.cancel()
 
-    async def _start(self, request: pb.DecodeRequest, failed_prefill, timings):
+    async def _start(self, request: pb.DecodeRequest, failed_prefill: set[str], state: "_Progress"):
         """Admit on D and get the prompt prefilled; returns (D, its stream, the prefill response)."""
-        decoder = self.pool.pick("decode")
-        local = self._prefill_locally(list(request.token_ids))
+        prompt_ids = list(request.token_ids)
+        decoder = self.pool.pick("decode", prompt_ids)
+        local = self._prefill_locally(prompt_ids)
         request.local_prefill = local
-        call = DecodeStream(decoder.stub.Decode(request, timeout=self.settings.request_timeout_s))
+        timings = state.timings
+        call = DecodeStream(decoder.stub.Decode(request, timeout=state.remaining()))
         try:
-            first = await asyncio.wait_for(call.read(), timeout=self.settings.rpc_timeout_s)
+            first = await asyncio.wait_for(call.read(), timeout=min(self.settings.rpc_timeout_s, state.remaining()))
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             call.cancel()
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -254,7 +259,7 @@ class RouterService(pb_grpc.RouterServicer):
         admission = first.admission
         timings.decode_admission_s = admission.admission_wait_s
         # prefer a prefill worker that has not failed this request; else retry the same one
-        prefiller = self.pool.pick("prefill", exclude=failed_prefill if self.pool.candidates("prefill", failed_prefill) else set())
+        prefiller = self.pool.pick("prefill", prompt_ids, exclude=failed_prefill if self.pool.candidates("prefill", failed_prefill) else set())
         prefiller.in_flight += 1
         try:
             response = await prefiller.stub.Prefill(
@@ -264,7 +269,7 @@ class RouterService(pb_grpc.RouterServicer):
                     sampling=request.sampling,
                     kv_destination=admission.kv_destination,
                 ),
-                timeout=self.settings.request_timeout_s,
+                timeout=state.remaining(),
             )
         except grpc.aio.AioRpcError as exc:
             call.cancel()
@@ -348,12 +353,17 @@ class _Progress:
     prompt_ids: list[int]
     params: SamplingParams
     arrived: float
+    deadline: float
     detok: IncrementalDetokenizer | None
     generated: list[int] = field(default_factory=list)
     timings: pb.StageTimings = field(default_factory=pb.StageTimings)
     last_token_at: float | None = None
     cached_prompt_tokens: int = 0
     attempts: int = 0
+
+    def remaining(self) -> float:
+        """Seconds left before the client's deadline (what every worker call may take)."""
+        return max(0.05, self.deadline - time.monotonic())
 
     def next_attempt(self) -> pb.DecodeRequest:
         """A DecodeRequest that continues from what was already streamed (prompt + generated)."""
