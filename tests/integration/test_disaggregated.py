@@ -56,3 +56,38 @@ def test_metrics_expose_kv_bytes_and_ttft_stages(cluster, demo_prompt_ids):
         assert f'pdserve_ttft_stage_seconds_count{{stage="{stage}"}}' in text
     assert "pdserve_ttft_seconds_count" in text
     cluster.assert_no_leaked_blocks()
+
+
+def test_decode_worker_drains_on_sigterm(cluster, demo_prompt_ids):
+    """Runs last in this module: SIGTERM the decode worker while a request is in flight."""
+    import signal
+    import threading
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    outcome: dict = {}
+
+    def long_request() -> None:
+        with grpc.insecure_channel(cluster.router.address) as channel:
+            request = pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=demo_prompt_ids[0]), sampling=pb.SamplingParams(max_tokens=100, temperature=0.0, ignore_eos=True)
+            )
+            responses = list(pb_grpc.RouterStub(channel).Generate(request, timeout=120))
+        outcome["tokens"] = sum(len(r.chunk.token_ids) for r in responses)
+        outcome["finish"] = responses[-1].finish_reason
+
+    thread = threading.Thread(target=long_request)
+    thread.start()
+    decode = cluster.decode[0]
+    deadline = time.monotonic() + 60
+    while cluster.worker_stats(decode).running_requests == 0:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    decode.popen.send_signal(signal.SIGTERM)
+    with grpc.insecure_channel(decode.address) as channel:
+        status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+    assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+    thread.join(120)
+    assert outcome == {"tokens": 100, "finish": pb.FINISH_REASON_LENGTH}
+    assert decode.popen.wait(30) == 0
