@@ -1,16 +1,17 @@
-"""The router's HTTP side (ASGI): health and Prometheus metrics; the OpenAI API mounts here too."""
+"""The router's HTTP side (ASGI): health, Prometheus metrics and the OpenAI-compatible API."""
 
 from __future__ import annotations
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router.metrics import RouterMetrics
-from router.pool import WorkerPool
+from router import openai_api
+from router.service import RouterService
 
 
-def build_app(metrics: RouterMetrics, pool: WorkerPool, model_name: str) -> FastAPI:
+def build_app(service: RouterService) -> FastAPI:
     app = FastAPI(title="pdserve router", version="0.1.0")
+    metrics, pool = service.metrics, service.pool
 
     @app.get("/health")
     async def health() -> Response:
@@ -21,4 +22,5 @@ def build_app(metrics: RouterMetrics, pool: WorkerPool, model_name: str) -> Fast
     async def prometheus() -> Response:
         return Response(content=metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    openai_api.mount(app, service)
     return app

@@ -26,7 +26,7 @@ import grpc
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.tokenization import encode_chat, encode_prompt
-from proto.convert import sampling_from_proto, sampling_to_proto
+from proto.convert import DEFAULT_MAX_TOKENS, sampling_from_proto, sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.detokenizer import IncrementalDetokenizer
@@ -172,7 +172,12 @@ class RouterService(pb_grpc.RouterServicer):
                 if m["role"] not in ("system", "user", "assistant"):
                     raise InvalidRequestError(f"prompt.chat.messages[{i}].role", f"must be system, user or assistant, got {m['role']!r}")
             ids = encode_chat(self.tokenizer, messages)
-        params = sampling_from_proto(request.sampling)
+        sampling = request.sampling
+        if not sampling.max_tokens:  # unset: as much as fits, at most the default
+            sampling = pb.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            sampling.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.settings.max_model_len - len(ids)))
+        params = sampling_from_proto(sampling)
         stop = list(request.sampling.stop)
         if len(stop) > MAX_STOP_STRINGS:
             raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
@@ -271,6 +276,9 @@ class RouterService(pb_grpc.RouterServicer):
                 ),
                 timeout=state.remaining(),
             )
+        except asyncio.CancelledError:
+            call.cancel()  # client gone while waiting for prefill: release D's reservation now
+            raise
         except grpc.aio.AioRpcError as exc:
             call.cancel()
             if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
