@@ -28,7 +28,7 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sequence import Sequence
 from kvtransfer import KVEndpoint, KVSender, KVTransferError, TransferHeader
-from proto.convert import sampling_from_proto
+from proto.convert import chunk_from_output, sampling_from_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -83,7 +83,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             done = time.monotonic()
             return pb.PrefillResponse(
                 request_id=request_id,
-                first_token=pb.FirstToken(token_id=first),
+                first_token=_first_token(first, first_out),
                 prompt_tokens=len(request.token_ids),
                 cached_prompt_tokens=first_out.num_cached_tokens,
                 kv_bytes_sent=ack.nbytes if transfer is not None else 0,
@@ -137,3 +137,12 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.draining = True
         while self.in_flight:
             await asyncio.sleep(0.05)
+
+
+def _first_token(token_id: int, out) -> pb.FirstToken:
+    """The sampled first token, with its logprobs when the request asked for them."""
+    first = pb.FirstToken(token_id=token_id)
+    chunk = chunk_from_output(out)
+    if chunk.logprobs:
+        first.logprob.CopyFrom(chunk.logprobs[0])
+    return first
