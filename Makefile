@@ -12,8 +12,10 @@ test: setup
 test-slow: setup
 	$(PY) -m pytest -m slow
 
+# pdserve serve on the demo model (embedded Ray, router + prefill + decode actors), one gRPC and
+# one OpenAI HTTP request, then SIGTERM: see scripts/demo.sh
 demo: setup
-	.venv/bin/pdserve generate "What is the capital of France?" --local --max-tokens 32
+	bash scripts/demo.sh
 
 proto:
 	bash scripts/gen_proto.sh

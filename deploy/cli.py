@@ -3,7 +3,10 @@
   pdserve generate PROMPT --local [--model M] ...   run the engine in this process
   pdserve generate PROMPT --router HOST:PORT ...     send the request through a running router
   pdserve model fetch [MODEL]                        resolve/convert a model once (demo: smollm2-135m)
-  pdserve bench engine|kvtransfer [...]              benchmarks (see bench/)
+  pdserve bench engine|kvtransfer|serve [...]        benchmarks (see bench/, docs/benchmarks.md)
+  pdserve serve [-c CONFIG] [--address RAY]          router + pools as Ray actors, in the foreground
+  pdserve up [-c CONFIG] [--address RAY] / down      the same, detached on a running Ray cluster
+  pdserve status [--json] / scale prefill=N decode=M  talk to the running deployment (docs/deploy.md)
 """
 
 from __future__ import annotations
@@ -41,10 +44,17 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("model", nargs="?", default="smollm2-135m")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("name", choices=["engine", "kvtransfer"])
+    bench.add_argument("name", choices=["engine", "kvtransfer", "serve"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
+    from deploy import launcher
+
+    launcher.add_commands(sub)
+
     args = parser.parse_args(argv)
+    if args.command in ("serve", "up", "down", "status", "scale"):
+        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        return launcher.run(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command == "generate":
         return _generate(args)

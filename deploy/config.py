@@ -52,6 +52,10 @@ class RouterConfig:
     local_prefill_threshold: int = 0
     """Prompts up to this many tokens (with no cached prefix) are prefilled on the decode worker; 0 disables."""
     heartbeat_timeout_s: float = 5.0
+    num_cpus: float = 0.25
+    """Logical CPUs the router actor reserves under Ray (it tokenizes and relays; no model)."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources of the router's bundle (e.g. one only the head node has, to pin it there)."""
 
     def validate(self, prefix: str) -> None:
         for name in ("grpc_port", "http_port"):
@@ -66,6 +70,8 @@ class RouterConfig:
             _non_negative_int(f"{prefix}.{name}", getattr(self, name))
         _positive_float(f"{prefix}.request_timeout_s", self.request_timeout_s)
         _positive_float(f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        _positive_float(f"{prefix}.num_cpus", self.num_cpus)
+        _custom_resources(f"{prefix}.resources", self.resources)
 
 
 @dataclass(frozen=True)
@@ -78,6 +84,8 @@ class PoolConfig:
     placement_strategy: str = "PACK"
     num_threads: int | None = None
     """torch threads per worker; defaults to its CPU share."""
+    resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources of each worker's bundle (node pinning, accelerator types)."""
 
     def validate(self, prefix: str) -> None:
         for name in ("replicas", "min_replicas", "max_replicas"):
@@ -92,14 +100,88 @@ class PoolConfig:
                 raise ConfigError(f"{prefix}.{name}", f"must be a number >= 0, got {value!r}")
         if self.placement_strategy not in PLACEMENT_STRATEGIES:
             raise ConfigError(f"{prefix}.placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
+        if self.num_cpus + self.num_gpus <= 0:
+            raise ConfigError(f"{prefix}.num_cpus", "num_cpus and num_gpus are both 0: a worker must reserve some CPU or GPU")
         if self.num_threads is not None:
             _positive_int(f"{prefix}.num_threads", self.num_threads)
+        _custom_resources(f"{prefix}.resources", self.resources)
 
 
 @dataclass(frozen=True)
 class PoolsConfig:
     prefill: PoolConfig = field(default_factory=PoolConfig)
     decode: PoolConfig = field(default_factory=PoolConfig)
+
+    def validate(self, prefix: str) -> None:
+        if self.decode.min_replicas < 1:
+            raise ConfigError(f"{prefix}.decode.min_replicas", "must be >= 1: every request needs a decode worker")
+
+
+@dataclass(frozen=True)
+class PrefillScalingConfig:
+    """Prefill pool signals: work waiting to be prefilled, and TTFT."""
+
+    queued_prompt_tokens_per_worker: int = 4096
+    """Scale up when the pool's queued prompt tokens exceed this many per worker."""
+    ttft_slo_s: float = 2.0
+    """Scale up when the router's TTFT percentile over the last interval exceeds this."""
+
+    def validate(self, prefix: str) -> None:
+        _positive_int(f"{prefix}.queued_prompt_tokens_per_worker", self.queued_prompt_tokens_per_worker)
+        _positive_float(f"{prefix}.ttft_slo_s", self.ttft_slo_s)
+
+
+@dataclass(frozen=True)
+class DecodeScalingConfig:
+    """Decode pool signals: KV cache usage, running requests, and inter-token latency."""
+
+    kv_usage: float = 0.8
+    """Scale up when the pool's mean KV-block usage (0..1) exceeds this."""
+    running_requests_per_worker: int = 64
+    """Scale up when the pool runs more than this many requests per worker."""
+    itl_slo_s: float = 0.2
+    """Scale up when the router's inter-token latency percentile over the last interval exceeds this."""
+
+    def validate(self, prefix: str) -> None:
+        if not _is_number(self.kv_usage) or not 0 < self.kv_usage <= 1:
+            raise ConfigError(f"{prefix}.kv_usage", f"must be a fraction in (0, 1], got {self.kv_usage!r}")
+        _positive_int(f"{prefix}.running_requests_per_worker", self.running_requests_per_worker)
+        _positive_float(f"{prefix}.itl_slo_s", self.itl_slo_s)
+
+
+@dataclass(frozen=True)
+class AutoscalerConfig:
+    """The controller's per-pool autoscaler (deploy/autoscaler.py); pools stay in [min_replicas, max_replicas]."""
+
+    enabled: bool = False
+    interval_s: float = 5.0
+    """How often the controller samples the workers' Stats and the router's latencies."""
+    upscale_cooldown_s: float = 30.0
+    """Minimum time between two scale-ups of one pool."""
+    downscale_cooldown_s: float = 120.0
+    """A pool shrinks only after its load stayed low, and its size unchanged, for this long."""
+    downscale_ratio: float = 0.5
+    """Shrink when every signal, spread over one worker fewer, stays below this fraction of its threshold."""
+    latency_quantile: float = 0.9
+    """Quantile of TTFT / ITL compared with the SLOs."""
+    drain_timeout_s: float = 300.0
+    """Longest a scale-down waits for a worker's requests in flight to finish."""
+    prefill: PrefillScalingConfig = field(default_factory=PrefillScalingConfig)
+    decode: DecodeScalingConfig = field(default_factory=DecodeScalingConfig)
+
+    def validate(self, prefix: str) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{prefix}.enabled", f"must be true or false, got {self.enabled!r}")
+        _positive_float(f"{prefix}.interval_s", self.interval_s)
+        for name in ("upscale_cooldown_s", "downscale_cooldown_s"):
+            value = getattr(self, name)
+            if not _is_number(value) or value < 0:
+                raise ConfigError(f"{prefix}.{name}", f"must be a number >= 0, got {value!r}")
+        for name in ("downscale_ratio", "latency_quantile"):
+            value = getattr(self, name)
+            if not _is_number(value) or not 0 < value < 1:
+                raise ConfigError(f"{prefix}.{name}", f"must be a fraction in (0, 1), got {value!r}")
+        _positive_float(f"{prefix}.drain_timeout_s", self.drain_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -110,6 +192,16 @@ class PdserveConfig:
     kv_transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     router: RouterConfig = field(default_factory=RouterConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
+    autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+
+    def with_router_ports(self, grpc_port: int | None = None, http_port: int | None = None) -> PdserveConfig:
+        """This config with the router's ports overridden (CLI flags); None keeps the configured port."""
+        changes = {k: v for k, v in (("grpc_port", grpc_port), ("http_port", http_port)) if v is not None}
+        if not changes:
+            return self
+        router = dataclasses.replace(self.router, **changes)
+        router.validate("router")
+        return dataclasses.replace(self, router=router)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -139,10 +231,20 @@ def config_from_dict(data: dict[str, Any]) -> PdserveConfig:
         prefill=_build(PoolConfig, _section(pools_data, "prefill", "pools."), "pools.prefill"),
         decode=_build(PoolConfig, _section(pools_data, "decode", "pools."), "pools.decode"),
     )
+    pools.validate("pools")
+    autoscaler = _build_autoscaler(_section(data, "autoscaler"))
     model_name = data.get("model_name", engine.model)
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError("model_name", "must be a non-empty string")
-    return PdserveConfig(model_name=model_name, engine=engine, kv_transfer=kv, router=router, pools=pools)
+    return PdserveConfig(model_name=model_name, engine=engine, kv_transfer=kv, router=router, pools=pools, autoscaler=autoscaler)
+
+
+def _build_autoscaler(data: dict) -> AutoscalerConfig:
+    _reject_unknown(data, AutoscalerConfig, "autoscaler.")
+    prefill = _build(PrefillScalingConfig, _section(data, "prefill", "autoscaler."), "autoscaler.prefill")
+    decode = _build(DecodeScalingConfig, _section(data, "decode", "autoscaler."), "autoscaler.decode")
+    flat = {k: v for k, v in data.items() if k not in ("prefill", "decode")}
+    return _build(AutoscalerConfig, {**flat, "prefill": prefill, "decode": decode}, "autoscaler")
 
 
 def _section(data: dict, key: str, prefix: str = "") -> dict:
@@ -179,6 +281,20 @@ def _non_negative_int(name: str, value: Any) -> None:
         raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
 
 
+def _custom_resources(name: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise ConfigError(name, f"must be a mapping of Ray resource names to amounts, got {value!r}")
+    for key, amount in value.items():
+        if not isinstance(key, str) or not key or key in ("CPU", "GPU", "memory", "object_store_memory"):
+            raise ConfigError(f"{name}.{key}", "must be a custom resource name (use num_cpus / num_gpus for CPU and GPU)")
+        if not _is_number(amount) or amount <= 0:
+            raise ConfigError(f"{name}.{key}", f"must be a number > 0, got {amount!r}")
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _positive_float(name: str, value: Any) -> None:
-    if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+    if not _is_number(value) or value <= 0:
         raise ConfigError(name, f"must be a number > 0, got {value!r}")

@@ -4,6 +4,10 @@
 JSON line on stdout (`{"event": "ready", ...}`: what tests and launchers wait for), and serves until
 SIGTERM/SIGINT. Draining then follows the house rule: health goes NOT_SERVING, the service stops
 admitting (`drain()` callback), requests in flight get `grace_s` to finish, then the server stops.
+
+A server hosted inside another process (a Ray actor, deploy/hosting.py) gets a `ServerControl`
+instead: its ready info and live objects are handed to the host, and the host stops it by setting
+`control.stop` (signals belong to the process's main thread, which is not the server's).
 """
 
 from __future__ import annotations
@@ -14,13 +18,40 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Awaitable, Callable
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 log = logging.getLogger(__name__)
+
+
+class ServerControl:
+    """Host side of an embedded server: learn when it is ready (info + handles), ask it to stop.
+
+    Created by the host; `stop` must be set on the server's event loop (`request_stop` does that
+    from any thread once `bind` was called by the server coroutine)."""
+
+    def __init__(self) -> None:
+        self.stop = asyncio.Event()
+        self.info: dict[str, Any] = {}
+        self.handles: dict[str, Any] = {}
+        self.is_ready = threading.Event()
+        self.loop: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        self.loop = asyncio.get_running_loop()
+
+    def ready(self, info: dict[str, Any], **handles: Any) -> None:
+        self.info, self.handles = dict(info), handles
+        self.is_ready.set()
+
+    def request_stop(self) -> None:
+        if self.loop is not None and not self.loop.is_closed():
+            self.loop.call_soon_threadsafe(self.stop.set)
 
 
 def create_server(host: str, port: int, service_names: list[str]) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
@@ -51,11 +82,14 @@ async def serve_until_signalled(
     service_names: list[str],
     drain: Callable[[float], Awaitable[None]],
     grace_s: float = 30.0,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+    """Serve until SIGTERM/SIGINT (or until `stop` is set, for embedded servers), then drain."""
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("draining (grace %.0f s)", grace_s)
     await set_serving(health_servicer, service_names, False)

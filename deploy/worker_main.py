@@ -3,6 +3,8 @@
 Lifecycle: parse flags, load the YAML config once, build the engine (threads from the pool's CPU
 share), start the KV endpoint (decode: receiver; prefill: sender), start the gRPC server, print
 the ready line, optionally register with the router and heartbeat, serve until SIGTERM, drain, stop.
+Under Ray (deploy/actors.py) the same `_serve` runs inside an actor with a `ServerControl`: the
+ready info goes to the actor instead of stdout and the actor, not a signal, stops it.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import uuid
 
 from deploy.config import PdserveConfig, load_config
-from deploy.serving import announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from engine import Engine
 from engine.async_engine import AsyncEngine
 
@@ -52,7 +54,8 @@ def main(role: str, argv: list[str] | None = None) -> int:
     return 0
 
 
-async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, worker_id: str) -> None:
+async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
+                 control: ServerControl | None = None) -> None:
     from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
     from kvtransfer import fingerprint
@@ -87,15 +90,19 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
     ready = {"role": role, "worker_id": worker_id, "grpc_port": port, "address": f"{args.host}:{port}"}
     if role == "decode":
         ready["kv_port"] = receiver.endpoint.port
-    announce_ready(**ready)
     registration = None
     if args.router:
         from router.registry_client import RegistrationLoop
 
         registration = RegistrationLoop(args.router, role, worker_id, f"{args.host}:{port}", service, config.model_name)
         registration.start()
+    if control is None:
+        announce_ready(**ready)
+    else:
+        control.ready(ready, service=service, registration=registration)
     try:
-        await serve_until_signalled(server, health_servicer, [service_name], service.drain)
+        await serve_until_signalled(server, health_servicer, [service_name], service.drain,
+                                    stop=control.stop if control is not None else None)
     finally:
         if registration is not None:
             await registration.stop()

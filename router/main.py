@@ -16,7 +16,7 @@ import socket
 import uvicorn
 
 from deploy.config import PdserveConfig, load_config
-from deploy.serving import announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.http_app import build_app
 from router.metrics import RouterMetrics
@@ -61,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
+async def serve(config: PdserveConfig, args: argparse.Namespace, control: ServerControl | None = None) -> None:
+    """Run the router until SIGTERM (or, embedded in a Ray actor, until `control.stop` is set)."""
     rc = config.router
     host = args.host or rc.host
     tokenizer, max_len = load_tokenizer_and_context(config)
@@ -91,6 +92,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
     http_sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     http_sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     http_sock.bind((host, rc.http_port if args.http_port is None else args.http_port))
+    http_sock.listen(2048)  # accept (queue) connections from the moment "ready" is printed, before uvicorn starts
     app = build_app(router)
     http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
@@ -103,7 +105,11 @@ async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
             await asyncio.sleep(0.5)
 
     watcher = asyncio.create_task(watch_workers())
-    announce_ready(role="router", grpc_port=grpc_port, http_port=http_sock.getsockname()[1], address=f"{host}:{grpc_port}")
+    ready = {"role": "router", "grpc_port": grpc_port, "http_port": http_sock.getsockname()[1], "address": f"{host}:{grpc_port}"}
+    if control is None:
+        announce_ready(**ready)
+    else:
+        control.ready(ready, router=router, pool=pool)
 
     async def drain(grace_s: float) -> None:
         router.draining = True
@@ -112,7 +118,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace) -> None:
             await asyncio.sleep(0.05)
 
     try:
-        await serve_until_signalled(server, health_servicer, SERVICES, drain)
+        await serve_until_signalled(server, health_servicer, SERVICES, drain, stop=control.stop if control is not None else None)
     finally:
         watcher.cancel()
         http.should_exit = True

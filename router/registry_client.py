@@ -22,6 +22,7 @@ class RegistrationLoop:
         self.service = service
         self.interval_s = 1.0
         self._task: asyncio.Task | None = None
+        self._stopped = False
         self._channel = grpc.aio.insecure_channel(router_address)
         self._stub = pb_grpc.RegistryStub(self._channel)
 
@@ -29,8 +30,17 @@ class RegistrationLoop:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Stop heartbeating, then deregister (idempotent). The loop is awaited first so that no
+        Register of ours can follow the Deregister and re-add us (scale-down relies on it)."""
+        if self._stopped:
+            return
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
         try:
             await self._stub.Deregister(pb.DeregisterRequest(worker_id=self.info.worker_id), timeout=2.0)
         except grpc.aio.AioRpcError:

@@ -1,0 +1,191 @@
+"""The Ray actors that host pdserve's servers: one router, one actor per prefill/decode worker.
+
+Each actor owns a `ServerThread` (deploy/hosting.py) that runs the unchanged server coroutine
+(`router.main.serve`, `deploy.worker_main._serve`) on its own event loop in a thread of the actor
+process; the actor's methods (called by the controller, in Ray's threads) reach into that loop.
+
+Lifecycle of a worker actor (created by the controller in its own placement group):
+  `start(router)`  build the engine (torch threads = the pool's CPU share), bind gRPC (+ KV receiver),
+             register with the router (heartbeats carry Stats); returns the ready info
+  `stats()`  the worker's `Stats` plus requests in flight
+  `drain()`  scale-down: Deregister from the router first (nothing new is routed here), wait
+             until no request has been in flight for `settle_s`, then stop the server
+  `stop()`   drain and stop (shutdown; the router has already stopped admitting)
+The controller kills the actor and removes its placement group afterwards.
+
+The router actor: `start()`, `pool_view()` (its registry: who is registered and healthy),
+`latency_buckets()` (TTFT / ITL histograms for the autoscaler), `summary()`, `drain()` (stop
+admitting, wait for requests in flight), `stop()`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import logging
+import os
+import time
+from typing import TYPE_CHECKING, Any
+
+from deploy.hosting import ServerThread
+from deploy.serving import configure_logging
+
+if TYPE_CHECKING:  # deploy.config imports the engine (torch); Ray clients of these classes stay light
+    from deploy.config import PdserveConfig
+
+log = logging.getLogger(__name__)
+
+
+def _setup_process(log_level: str) -> None:
+    configure_logging(log_level)
+    logging.getLogger().setLevel(log_level.upper())
+
+
+def _node_ip() -> str:
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+def _stats_dict(message) -> dict[str, Any]:
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+
+
+class WorkerActor:
+    def __init__(self, role: str, config: PdserveConfig, worker_id: str, bind_host: str | None, log_level: str = "WARNING"):
+        _setup_process(log_level)
+        import deploy.worker_main  # noqa: F401 - torch + transformers load while the router starts
+
+        self.role, self.worker_id = role, worker_id
+        self.host = bind_host or _node_ip()
+        # the KV receiver must be reachable from prefill workers on other nodes: same host as gRPC
+        self.config = dataclasses.replace(config, kv_transfer=dataclasses.replace(config.kv_transfer, host=self.host))
+        self.server: ServerThread | None = None
+
+    def start(self, router_address: str) -> dict[str, Any]:
+        """Build the engine, serve, register with the router at `router_address`; the ready info."""
+        args = argparse.Namespace(host=self.host, port=0, kv_port=0, router=router_address)
+
+        async def main(control) -> None:
+            from deploy.worker_main import _serve
+
+            await _serve(self.role, self.config, args, self.worker_id, control)
+
+        self.server = ServerThread(self.worker_id, main)
+        info = self.server.start()
+        return {**info, "pid": os.getpid(), "node_ip": _node_ip()}
+
+    def stats(self) -> dict[str, Any]:
+        service = self.server.handles["service"]
+
+        async def read() -> dict[str, Any]:
+            from proto.pdserve.v1 import pdserve_pb2 as pb
+
+            stats = _stats_dict(await service.Stats(pb.StatsRequest(), None))
+            return {**stats, "in_flight": service.in_flight}
+
+        return self.server.call(read, timeout_s=10.0)
+
+    def drain(self, settle_s: float = 0.5, timeout_s: float = 300.0) -> dict[str, Any]:
+        """Scale-down: leave the router, let requests in flight finish, stop. Returns what happened."""
+        service, registration = self.server.handles["service"], self.server.handles["registration"]
+
+        async def leave_and_wait() -> dict[str, Any]:
+            started = time.monotonic()
+            in_flight_at_start = service.in_flight
+            if registration is not None:
+                await registration.stop()  # Deregister: the router picks us no more
+            deadline = started + timeout_s
+            idle_since = None
+            while time.monotonic() < deadline:
+                now = time.monotonic()
+                if service.in_flight:
+                    idle_since = None
+                elif idle_since is None:
+                    idle_since = now
+                elif now - idle_since >= settle_s:
+                    break
+                await asyncio.sleep(0.05)
+            return {"worker_id": self.worker_id, "in_flight_at_drain": in_flight_at_start,
+                    "in_flight_left": service.in_flight, "drain_s": round(time.monotonic() - started, 3)}
+
+        result = self.server.call(leave_and_wait)
+        self.server.stop()
+        return result
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.server is not None:
+            self.server.stop(timeout_s)
+
+    def ping(self) -> bool:
+        return self.server is not None and self.server.alive()
+
+
+class RouterActor:
+    def __init__(self, config: PdserveConfig, bind_host: str | None, log_level: str = "WARNING"):
+        _setup_process(log_level)
+        host = bind_host or _node_ip()
+        args = argparse.Namespace(host=host, grpc_port=None, http_port=None, prefill=[], decode=[])
+
+        async def main(control) -> None:
+            from router.main import serve
+
+            await serve(config, args, control)
+
+        self.server = ServerThread("router", main)
+
+    def start(self) -> dict[str, Any]:
+        info = self.server.start()
+        return {**info, "pid": os.getpid(), "node_ip": _node_ip()}
+
+    def pool_view(self) -> list[dict[str, Any]]:
+        pool = self.server.handles["pool"]
+
+        async def read() -> list[dict[str, Any]]:
+            now = time.monotonic()
+            return [
+                {"worker_id": w.worker_id, "role": w.role, "address": w.address, "healthy": w.healthy,
+                 "draining": w.draining, "in_flight": w.in_flight, "last_seen_s": round(now - w.last_seen, 3)}
+                for w in pool.workers.values()
+            ]
+
+        return self.server.call(read, timeout_s=10.0)
+
+    def latency_buckets(self) -> dict[str, list[tuple[float, float]]]:
+        """Cumulative (upper bound, count) buckets of the router's TTFT and ITL histograms."""
+        metrics = self.server.handles["router"].metrics
+        out = {}
+        for name, histogram in (("ttft", metrics.ttft), ("itl", metrics.itl)):
+            samples = [s for family in histogram.collect() for s in family.samples if s.name.endswith("_bucket")]
+            out[name] = [(float(s.labels["le"]), s.value) for s in samples]
+        return out
+
+    def summary(self) -> dict[str, Any]:
+        router = self.server.handles["router"]
+
+        async def read() -> dict[str, Any]:
+            return {"draining": router.draining, "in_flight_requests": router.admission.requests,
+                    "in_flight_prompt_tokens": router.admission.tokens}
+
+        return self.server.call(read, timeout_s=10.0)
+
+    def drain(self, timeout_s: float = 30.0) -> int:
+        """Stop admitting (new requests get UNAVAILABLE) and wait for requests in flight; returns
+        how many were still in flight at the timeout."""
+        router = self.server.handles["router"]
+
+        async def wait_idle() -> int:
+            router.draining = True
+            deadline = time.monotonic() + timeout_s
+            while router.admission.requests and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return router.admission.requests
+
+        return self.server.call(wait_idle)
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        self.server.stop(timeout_s)
+
+    def ping(self) -> bool:
+        return self.server.alive()

@@ -1,0 +1,477 @@
+"""The pdserve controller: a named Ray actor (`controller` in namespace `pdserve`) that owns the
+router and both worker pools, and answers `pdserve status|scale|down`.
+
+Lifecycle:
+  `start()`     router actor first (its own placement group), then each pool's `replicas` workers
+                (one placement group + one actor per worker); returns the router's endpoints once
+                every worker registered with the router. Then a monitor task runs every interval:
+                it reads each worker's Stats, replaces workers whose actor died (back to the pool's
+                target), and, with `autoscaler.enabled`, asks each pool's `PoolAutoscaler`.
+  `scale(role, n)`  up: new placement group + worker actor, wait until the router lists it as
+                healthy; down: pick the least loaded workers, drain them (Deregister from the
+                router, wait for requests in flight to finish), kill the actor, remove its group.
+                No request fails either way. One scale at a time per pool.
+  `status()`    router, pools and workers with health and load (the `pdserve status` JSON).
+  `shutdown()`  router stops admitting and finishes its requests in flight, workers drain and stop,
+                router stops, every actor and placement group is removed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from deploy.actors import RouterActor, WorkerActor
+from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
+
+if TYPE_CHECKING:  # the config module imports torch (via engine); `pdserve status` must stay light
+    from deploy.config import PdserveConfig, PoolConfig
+
+log = logging.getLogger(__name__)
+
+NAMESPACE = "pdserve"
+CONTROLLER_NAME = "controller"
+ROLES = ("prefill", "decode")
+PLACEMENT_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0
+REGISTER_TIMEOUT_S = 60.0
+HEALTH_INTERVAL_S = 2.0
+DRAIN_SETTLE_S = 0.5
+"""After Deregister, a worker must stay idle this long before it stops (a request routed to it
+just before the router forgot it is on the wire for well under this)."""
+WILDCARDS = ("0.0.0.0", "::", "")
+
+RemoteRouter = ray.remote(RouterActor)
+RemoteWorker = ray.remote(WorkerActor)
+
+
+@dataclass(frozen=True)
+class DeployOptions:
+    bind_host: str | None = "127.0.0.1"
+    """Host every server binds to; None: each actor's Ray node IP (multi-node clusters)."""
+    log_level: str = "WARNING"
+    detached: bool = False
+    """Actors and placement groups outlive the driver that created them (`pdserve up`)."""
+
+
+@dataclass
+class WorkerSlot:
+    worker_id: str
+    role: str
+    actor: Any = None
+    pg: Any = None
+    state: str = "starting"
+    """starting -> ready -> draining (then gone)."""
+    info: dict = field(default_factory=dict)
+    stats: dict | None = None
+    created: float = field(default_factory=time.time)
+
+
+@dataclass
+class Pool:
+    role: str
+    config: PoolConfig
+    autoscaler: PoolAutoscaler
+    target: int = 0
+    workers: dict[str, WorkerSlot] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+    def active(self) -> list[WorkerSlot]:
+        return [w for w in self.workers.values() if w.state != "draining"]
+
+    def ready(self) -> list[WorkerSlot]:
+        return [w for w in self.workers.values() if w.state == "ready"]
+
+
+class Controller:
+    """Async Ray actor: every method runs on one event loop, so state needs no locks beyond the
+    per-pool scale lock (held across the awaits of one scale operation)."""
+
+    def __init__(self, config: PdserveConfig, options: DeployOptions):
+        logging.basicConfig(level=options.log_level.upper())
+        self.config = config
+        self.options = options
+        self.router = self.router_pg = None
+        self.router_info: dict = {}
+        self.pools = {
+            role: Pool(role, getattr(config.pools, role), PoolAutoscaler(role, config.autoscaler, getattr(config.pools, role)))
+            for role in ROLES
+        }
+        self.events: collections.deque[dict] = collections.deque(maxlen=50)
+        self._ids = itertools.count()
+        self._monitor_task: asyncio.Task | None = None
+        self._router_task: asyncio.Task | None = None
+        self._latency_prev: dict[str, list] = {}
+        self.latency: dict[str, float | None] = {"ttft": None, "itl": None}
+        self.stopping = False
+        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------
+    async def start(self) -> dict:
+        # workers' processes start (and import torch) while the router starts; they register once it is up
+        self._router_task = asyncio.create_task(self._start_router())
+        results = await asyncio.gather(*(self._scale_to(pool, pool.config.replicas, "initial") for pool in self.pools.values()))
+        errors = [e for r in results for e in r["errors"]]
+        await asyncio.wait([self._router_task])
+        router_error = self._router_task.exception()
+        if router_error is not None or errors:
+            await self.shutdown(5.0)  # leave nothing half-started (detached actors would outlive us)
+            if router_error is not None:
+                raise router_error  # it explains the workers' errors too
+            raise RuntimeError("could not start the pools: " + "; ".join(errors))
+        self._monitor_task = asyncio.create_task(self._monitor())
+        return self.endpoints()
+
+    async def shutdown(self, grace_s: float = 30.0) -> dict:
+        """Drain and stop everything: the router stops admitting, requests in flight finish."""
+        self.stopping = True
+        if self._monitor_task is not None:
+            self._monitor_task.cancel()
+        left = 0
+        if self.router is not None:
+            try:
+                left = await _wait(self.router.drain.remote(grace_s), grace_s + 10)
+            except Exception as exc:  # noqa: BLE001 - a dead router must not block the shutdown
+                log.warning("router drain failed: %r", exc)
+        slots = [w for pool in self.pools.values() for w in pool.workers.values()]
+        await asyncio.gather(*(self._stop_worker(slot, grace_s) for slot in slots))
+        for pool in self.pools.values():
+            pool.workers.clear()
+        if self.router is not None:
+            try:
+                await _wait(self.router.stop.remote(grace_s), grace_s + 10)
+            except Exception as exc:  # noqa: BLE001
+                log.warning("router stop failed: %r", exc)
+            _dispose(self.router, self.router_pg)
+            self.router = self.router_pg = None
+        return {"stopped_workers": len(slots), "requests_left_in_flight": left}
+
+    async def ping(self) -> bool:
+        return not self.stopping
+
+    def endpoints(self) -> dict:
+        info = self.router_info
+        host = info.get("node_ip") if info.get("host") in WILDCARDS else info.get("host")
+        return {
+            "grpc": f"{host}:{info.get('grpc_port')}",
+            "http": f"http://{host}:{info.get('http_port')}",
+            "grpc_port": info.get("grpc_port"),
+            "http_port": info.get("http_port"),
+        }
+
+    # ---- scaling ------------------------------------------------------------------------------
+    async def scale(self, role: str, replicas: int) -> dict:
+        if role not in self.pools:
+            raise ValueError(f"unknown pool {role!r} (pools: {', '.join(ROLES)})")
+        pool = self.pools[role]
+        lo, hi = pool.config.min_replicas, pool.config.max_replicas
+        if not isinstance(replicas, int) or not lo <= replicas <= hi:
+            raise ValueError(f"{role}={replicas!r}: must be within pools.{role} [min_replicas, max_replicas] = [{lo}, {hi}]")
+        if self.stopping:
+            raise RuntimeError("pdserve is shutting down")
+        return await self._scale_to(pool, replicas, "manual")
+
+    async def _scale_to(self, pool: Pool, n: int, reason: str) -> dict:
+        async with pool.lock:
+            before = len(pool.active())
+            pool.target = n
+            added: list[str] = []
+            removed: list[dict] = []
+            errors: list[str] = []
+            if n > before:
+                results = await asyncio.gather(*(self._add_worker(pool) for _ in range(n - before)), return_exceptions=True)
+                added = [r for r in results if isinstance(r, str)]
+                errors = [f"{pool.role}: {r}" for r in results if isinstance(r, BaseException)]
+            elif n < before:
+                victims = await self._pick_victims(pool, before - n)
+                removed = list(await asyncio.gather(*(self._drain_worker(pool, slot) for slot in victims)))
+            after = len(pool.active())
+            if errors:
+                pool.target = after  # keep what was reached; the monitor must not retry a failing scale-up forever
+            if after != before:
+                pool.autoscaler.record_change(before, after)
+            event = {"time": time.time(), "pool": pool.role, "from": before, "to": after, "reason": reason,
+                     "added": added, "removed": removed, "errors": errors}
+            if after != before or errors:
+                self.events.append(event)
+                log.warning("pool %s: %d -> %d workers (%s)%s", pool.role, before, after, reason,
+                            f"; errors: {errors}" if errors else "")
+            return {"role": pool.role, "replicas": after, **{k: event[k] for k in ("added", "removed", "errors")}}
+
+    async def _add_worker(self, pool: Pool) -> str:
+        worker_id = f"{pool.role}-{next(self._ids)}"
+        slot = pool.workers[worker_id] = WorkerSlot(worker_id, pool.role)
+        cfg = pool.config
+        try:
+            slot.pg = await self._placement_group(worker_id, self._bundle(cfg.num_cpus, cfg.num_gpus, cfg.resources), cfg.placement_strategy)
+            if self.stopping:
+                raise RuntimeError("pdserve is shutting down")
+            slot.actor = RemoteWorker.options(**self._actor_options(worker_id, slot.pg), max_concurrency=8).remote(
+                pool.role, self.config, worker_id, self.options.bind_host, self.options.log_level
+            )
+            await self._router_task  # the router's address (raises if the router failed)
+            slot.info = await _wait(slot.actor.start.remote(self.router_info["address"]), START_TIMEOUT_S)
+            await self._wait_registered(worker_id)
+            slot.state = "ready"
+            log.info("worker %s ready at %s", worker_id, slot.info.get("address"))
+            return worker_id
+        except BaseException:
+            pool.workers.pop(worker_id, None)
+            _dispose(slot.actor, slot.pg)
+            raise
+
+    async def _pick_victims(self, pool: Pool, k: int) -> list[WorkerSlot]:
+        """The k least loaded workers (newest first on ties): their drain is the shortest."""
+        candidates = pool.active()
+        await self._refresh_stats(candidates)
+
+        def load(slot: WorkerSlot) -> tuple:
+            s = slot.stats or {}
+            busy = s.get("in_flight", 0) + s.get("running_requests", 0) + s.get("queued_requests", 0)
+            return (slot.state == "ready", busy, -slot.created)  # never-ready (starting) ones go first
+
+        return sorted(candidates, key=load)[:k]
+
+    async def _drain_worker(self, pool: Pool, slot: WorkerSlot) -> dict:
+        slot.state = "draining"
+        timeout = self.config.autoscaler.drain_timeout_s
+        try:
+            if slot.actor is None:
+                return {"worker_id": slot.worker_id, "in_flight_at_drain": 0}
+            return await _wait(slot.actor.drain.remote(DRAIN_SETTLE_S, timeout), timeout + 60)
+        except Exception as exc:  # noqa: BLE001 - a worker that died while draining is gone anyway
+            return {"worker_id": slot.worker_id, "error": repr(exc)}
+        finally:
+            pool.workers.pop(slot.worker_id, None)
+            _dispose(slot.actor, slot.pg)
+
+    async def _stop_worker(self, slot: WorkerSlot, grace_s: float) -> None:
+        slot.state = "draining"
+        try:
+            if slot.actor is not None:
+                await _wait(slot.actor.stop.remote(grace_s), grace_s + 10)
+        except Exception as exc:  # noqa: BLE001
+            log.warning("worker %s did not stop cleanly: %r", slot.worker_id, exc)
+        finally:
+            _dispose(slot.actor, slot.pg)
+
+    # ---- placement --------------------------------------------------------------------------------
+    def _bundle(self, num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
+        bundle = {"CPU": float(num_cpus)} if num_cpus else {}
+        bundle.update({k: float(v) for k, v in resources.items()})
+        if num_gpus and self._has_gpus:
+            bundle["GPU"] = float(num_gpus)
+        elif num_gpus:
+            log.warning("num_gpus=%s requested but the cluster has no GPU: placing on CPU only", num_gpus)
+            bundle.setdefault("CPU", 1.0)
+        return bundle
+
+    def _actor_options(self, name: str, pg) -> dict:
+        """Options that place an actor in its placement group's only bundle, using all of it."""
+        bundle = pg.bundle_specs[0]
+        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
+        return {
+            "num_cpus": bundle.get("CPU", 0),
+            "num_gpus": bundle.get("GPU", 0),
+            **({"resources": custom} if custom else {}),
+            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            "name": f"pdserve:{name}",
+            "namespace": NAMESPACE,
+            "lifetime": "detached" if self.options.detached else None,
+            "max_restarts": 0,
+        }
+
+    async def _placement_group(self, name: str, bundle: dict, strategy: str):
+        pg = placement_group([bundle], strategy=strategy, name=f"pdserve:{name}",
+                             lifetime="detached" if self.options.detached else None)
+        try:
+            await _wait(pg.ready(), PLACEMENT_TIMEOUT_S)
+        except GetTimeoutError:
+            remove_placement_group(pg)
+            raise RuntimeError(f"no room for {name}: it needs {bundle}, the cluster has {ray.available_resources()} free") from None
+        except BaseException:
+            remove_placement_group(pg)
+            raise
+        return pg
+
+    async def _start_router(self) -> None:
+        cfg = self.config.router
+        bind = cfg.host if cfg.host in WILDCARDS else self.options.bind_host
+        self.router_pg = await self._placement_group("router", self._bundle(cfg.num_cpus, 0, cfg.resources), "PACK")
+        self.router = RemoteRouter.options(**self._actor_options("router", self.router_pg), max_concurrency=8).remote(
+            self.config, bind, self.options.log_level
+        )
+        try:
+            info = await _wait(self.router.start.remote(), START_TIMEOUT_S)
+        except BaseException:
+            _dispose(self.router, self.router_pg)
+            self.router = self.router_pg = None
+            raise
+        host = info["address"].rsplit(":", 1)[0]
+        self.router_info = {**info, "host": host, "address": f"{info['node_ip'] if host in WILDCARDS else host}:{info['grpc_port']}"}
+
+    async def _wait_registered(self, worker_id: str) -> None:
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while time.monotonic() < deadline:
+            view = await _wait(self.router.pool_view.remote(), 10)
+            if any(w["worker_id"] == worker_id and w["healthy"] for w in view):
+                return
+            await asyncio.sleep(0.1)
+        raise TimeoutError(f"{worker_id} did not register with the router within {REGISTER_TIMEOUT_S:.0f} s")
+
+    # ---- monitoring and autoscaling ---------------------------------------------------------
+    async def _monitor(self) -> None:
+        scaler = self.config.autoscaler
+        interval = scaler.interval_s if scaler.enabled else min(HEALTH_INTERVAL_S, scaler.interval_s)
+        while not self.stopping:
+            await asyncio.sleep(interval)
+            try:
+                await self._tick()
+            except Exception:  # the monitor must survive a bad sample
+                log.exception("controller tick failed")
+
+    async def _tick(self) -> None:
+        for pool in self.pools.values():
+            dead = await self._refresh_stats(pool.ready())
+            for slot in dead:
+                log.warning("worker %s died; removing it", slot.worker_id)
+                pool.workers.pop(slot.worker_id, None)
+                _dispose(slot.actor, slot.pg)
+                self.events.append({"time": time.time(), "pool": pool.role, "reason": f"{slot.worker_id} died"})
+        await self._sample_latency()
+        for pool in self.pools.values():
+            if pool.lock.locked() or self.stopping:
+                continue
+            if len(pool.active()) < pool.target:
+                asyncio.create_task(self._scale_to(pool, pool.target, "replace lost workers"))
+                continue
+            if self.config.autoscaler.enabled:
+                decision = pool.autoscaler.decide(self._signals(pool))
+                if decision is not None and decision.replicas != len(pool.active()):
+                    asyncio.create_task(self._scale_to(pool, decision.replicas, f"autoscaler: {decision.reason}"))
+
+    def _signals(self, pool: Pool) -> PoolSignals:
+        ready = pool.ready()
+        return PoolSignals.from_stats(len(pool.active()), [w.stats for w in ready if w.stats],
+                                      ttft_s=self.latency["ttft"], itl_s=self.latency["itl"])
+
+    async def _refresh_stats(self, slots: list[WorkerSlot]) -> list[WorkerSlot]:
+        """Fetch Stats of `slots` concurrently; returns those whose actor is dead."""
+        async def fetch(slot: WorkerSlot) -> bool:
+            try:
+                slot.stats = await _wait(slot.actor.stats.remote(), 5.0)
+            except RayActorError:
+                return slot.state == "ready"
+            except Exception:  # noqa: BLE001 - slow or failing: keep the last stats, mark unknown
+                slot.stats = None
+            return False
+
+        dead = await asyncio.gather(*(fetch(s) for s in slots if s.actor is not None))
+        return [s for s, d in zip([s for s in slots if s.actor is not None], dead) if d]
+
+    async def _sample_latency(self) -> None:
+        try:
+            current = await _wait(self.router.latency_buckets.remote(), 5.0)
+        except Exception:  # noqa: BLE001
+            return
+        q = self.config.autoscaler.latency_quantile
+        for name, buckets in current.items():
+            window = histogram_window(self._latency_prev.get(name), buckets)
+            self.latency[name] = histogram_quantile(q, window)
+        self._latency_prev = current
+
+    # ---- status -----------------------------------------------------------------------------
+    async def status(self) -> dict:
+        router: dict[str, Any] = {**self.endpoints(), "address": self.router_info.get("address"),
+                                  "node_ip": self.router_info.get("node_ip"), "health": "unhealthy"}
+        registered: dict[str, dict] = {}
+        try:
+            view, summary = await asyncio.gather(_wait(self.router.pool_view.remote(), 5), _wait(self.router.summary.remote(), 5))
+            registered = {w["worker_id"]: w for w in view}
+            router.update(summary)
+            router["health"] = "draining" if summary["draining"] else "healthy"
+            router["registered_workers"] = len(registered)
+        except Exception as exc:  # noqa: BLE001
+            router["error"] = repr(exc)
+        pools = {}
+        for role, pool in self.pools.items():
+            slots = list(pool.workers.values())
+            await self._refresh_stats([s for s in slots if s.state == "ready"])
+            pools[role] = {
+                "replicas": len(pool.active()),
+                "target": pool.target,
+                "min_replicas": pool.config.min_replicas,
+                "max_replicas": pool.config.max_replicas,
+                "workers": [self._worker_status(s, registered.get(s.worker_id)) for s in slots],
+            }
+        scaler = self.config.autoscaler
+        autoscaler = {
+            "enabled": scaler.enabled,
+            "interval_s": scaler.interval_s,
+            "latency": {"quantile": scaler.latency_quantile, "ttft_s": self.latency["ttft"], "itl_s": self.latency["itl"]},
+            "pressure": {role: pool.autoscaler.last_pressure for role, pool in self.pools.items()},
+        }
+        return {"router": router, "pools": pools, "autoscaler": autoscaler, "events": list(self.events)[-10:]}
+
+    @staticmethod
+    def _worker_status(slot: WorkerSlot, seen: dict | None) -> dict:
+        s = slot.stats or {}
+        total = s.get("total_kv_blocks", 0)
+        if slot.state != "ready":
+            health = slot.state
+        elif not s:
+            health = "unhealthy"
+        elif seen is None or not seen["healthy"]:
+            health = "unregistered"
+        else:
+            health = "healthy"
+        return {
+            "id": slot.worker_id,
+            "address": slot.info.get("address"),
+            "kv_port": slot.info.get("kv_port"),
+            "node_ip": slot.info.get("node_ip"),
+            "pid": slot.info.get("pid"),
+            "health": health,
+            "uptime_s": round(time.time() - slot.created, 1),
+            "in_flight": s.get("in_flight", 0),
+            "queued_requests": s.get("queued_requests", 0),
+            "queued_prompt_tokens": s.get("queued_prompt_tokens", 0),
+            "running_requests": s.get("running_requests", 0),
+            "free_kv_blocks": s.get("free_kv_blocks", 0),
+            "total_kv_blocks": total,
+            "kv_usage": round((total - s.get("free_kv_blocks", 0)) / total, 4) if total else 0.0,
+            "kv_bytes_sent": s.get("kv_bytes_sent", 0),
+            "kv_bytes_received": s.get("kv_bytes_received", 0),
+        }
+
+
+async def _wait(ref, timeout_s: float):
+    """Await a Ray ObjectRef with a timeout."""
+    try:
+        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
+    except TimeoutError:
+        raise GetTimeoutError(f"no answer within {timeout_s:.0f} s") from None
+
+
+def _dispose(actor, pg) -> None:
+    """Kill an actor and remove its placement group; either may be gone already (idempotent)."""
+    if actor is not None:
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("kill: %r", exc)
+    if pg is not None:
+        try:
+            remove_placement_group(pg)
+        except Exception as exc:  # noqa: BLE001
+            log.debug("remove placement group: %r", exc)
