@@ -67,7 +67,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     host = args.host or rc.host
     tokenizer, max_len = load_tokenizer_and_context(config)
     metrics = RouterMetrics()
-    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s)
+    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s)
     for i, address in enumerate(args.prefill):
         pool.add(f"prefill-static-{i}", "prefill", address, static=True)
     for i, address in enumerate(args.decode):

@@ -8,6 +8,7 @@ on `Deregister`. Static workers (from flags) have no heartbeat and are probed wi
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from dataclasses import dataclass, field
@@ -52,12 +53,14 @@ class NoWorkerAvailable(Exception):
 
 
 class WorkerPool:
-    def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0):
+    def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0, close_grace_s: float = 300.0):
         from router.policy import make_policy
 
         self.policy = make_policy(policy)
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.close_grace_s = close_grace_s
         self.workers: dict[str, Worker] = {}
+        self._closing: set[asyncio.Task] = set()
 
     def add(self, worker_id: str, role: str, address: str, static: bool = False) -> Worker:
         existing = self.workers.get(worker_id)
@@ -74,11 +77,14 @@ class WorkerPool:
         return worker
 
     def remove(self, worker_id: str) -> None:
+        """Take a worker out for good. Calls already in flight to it keep their channel until they end
+        (a draining worker finishes them), bounded by `close_grace_s`."""
         worker = self.workers.pop(worker_id, None)
         if worker is not None:
             log.info("worker %s (%s) left", worker_id, worker.role)
-            worker.channel.close()  # coroutine in grpc.aio: scheduled, not awaited here
-        return None
+            task = asyncio.get_running_loop().create_task(worker.channel.close(grace=self.close_grace_s))
+            self._closing.add(task)
+            task.add_done_callback(self._closing.discard)
 
     def heartbeat(self, worker_id: str, stats: pb.WorkerStats | None) -> bool:
         worker = self.workers.get(worker_id)
@@ -130,3 +136,5 @@ class WorkerPool:
         for worker in list(self.workers.values()):
             await worker.channel.close()
         self.workers.clear()
+        for task in list(self._closing):
+            task.cancel()
