@@ -56,8 +56,13 @@ class RouterConfig:
     """Logical CPUs the router actor reserves under Ray (it tokenizes and relays; no model)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources of the router's bundle (e.g. one only the head node has, to pin it there)."""
+    api_keys: list[str] = field(default_factory=list)
+    """Keys accepted on the public API (`Authorization: Bearer KEY`); empty: no authentication.
+    Keys in the environment variable PDSERVE_API_KEYS (comma-separated) are accepted too."""
 
     def validate(self, prefix: str) -> None:
+        if not isinstance(self.api_keys, list) or not all(isinstance(k, str) and k for k in self.api_keys):
+            raise ConfigError(f"{prefix}.api_keys", "must be a list of non-empty strings")
         for name in ("grpc_port", "http_port"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:

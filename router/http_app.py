@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fastapi import FastAPI, Response
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from router import openai_api
@@ -21,6 +22,14 @@ def build_app(service: RouterService) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(content=metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.middleware("http")
+    async def require_api_key(request: Request, call_next):
+        if request.url.path.startswith("/v1/") and not service.settings.authorized(request.headers.get("authorization")):
+            error = {"message": "authorization: missing or invalid API key (send 'Authorization: Bearer KEY')",
+                     "type": "authentication_error", "param": None, "code": "invalid_api_key"}
+            return JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
 
     openai_api.mount(app, service)
     return app

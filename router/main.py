@@ -82,6 +82,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
         prefill_retries=rc.prefill_retries,
         max_migrations=rc.max_migrations,
         local_prefill_threshold=rc.local_prefill_threshold,
+        api_keys=frozenset([*rc.api_keys, *filter(None, os.environ.get("PDSERVE_API_KEYS", "").split(","))]),
     )
     router = RouterService(settings, tokenizer, pool, metrics)
     server, grpc_port, health_servicer = create_server(host, rc.grpc_port if args.grpc_port is None else args.grpc_port, SERVICES)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import hmac
 import logging
 import time
 import uuid
@@ -50,6 +51,14 @@ class RouterSettings:
     max_migrations: int = 2
     local_prefill_threshold: int = 0
     rpc_timeout_s: float = 30.0
+    api_keys: frozenset[str] = frozenset()
+
+    def authorized(self, authorization: str | None) -> bool:
+        """True when no keys are configured, or `authorization` is `Bearer <a configured key>`."""
+        if not self.api_keys:
+            return True
+        scheme, _, key = (authorization or "").partition(" ")
+        return scheme.lower() == "bearer" and any(hmac.compare_digest(key.strip(), k) for k in self.api_keys)
 
 
 class Overloaded(Exception):
@@ -99,6 +108,9 @@ class RouterService(pb_grpc.RouterServicer):
 
     # ---- public API ----------------------------------------------------------------------------
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        metadata = dict(context.invocation_metadata() or ())
+        if not self.settings.authorized(metadata.get("authorization")):
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or invalid API key (metadata 'authorization: Bearer KEY')")
         try:
             async for response in self.stream(request, timeout_s=context.time_remaining()):
                 yield response
