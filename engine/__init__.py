@@ -1,20 +1,31 @@
-"""pdserve engine: the model runtime shared by the prefill and decode pools."""
+"""pdserve engine: the model runtime shared by the prefill and decode pools.
 
-from engine.config import EngineConfig
-from engine.engine import Engine, EngineStats, RequestOutput
-from engine.errors import EngineError, InvalidRequestError, ModelLoadError
-from engine.sampling import SamplingParams
-from engine.sequence import FinishReason, RequestState
+Names are resolved lazily so that light users (`engine.kv_cache`, `engine.errors`) do not pay for
+importing transformers.
+"""
 
-__all__ = [
-    "Engine",
-    "EngineConfig",
-    "EngineError",
-    "EngineStats",
-    "FinishReason",
-    "InvalidRequestError",
-    "ModelLoadError",
-    "RequestOutput",
-    "RequestState",
-    "SamplingParams",
-]
+from __future__ import annotations
+
+import importlib
+
+_EXPORTS = {
+    "Engine": "engine.engine",
+    "EngineStats": "engine.engine",
+    "RequestOutput": "engine.engine",
+    "EngineConfig": "engine.config",
+    "EngineError": "engine.errors",
+    "InvalidRequestError": "engine.errors",
+    "ModelLoadError": "engine.errors",
+    "SamplingParams": "engine.sampling",
+    "FinishReason": "engine.sequence",
+    "RequestState": "engine.sequence",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

@@ -1,24 +1,30 @@
 """KV cache transfer between prefill and decode workers.
 
-Decode worker (receiver side)::
+Decode worker (receiver side), on its event loop::
 
-    receiver = KVReceiver(kv_cache, transport="ucx", host="127.0.0.1")
-    endpoint = await receiver.start()                      # KVEndpoint(host, port, transport)
-    fut = receiver.expect(transfer_id, block_ids, num_tokens, fingerprint(layout, cfg), timeout=30)
-    received = await fut                                   # ReceivedKV(first_token=..., ...)
-    receiver.cancel(transfer_id)                           # client gone; fut fails TransferAborted
+    receiver = KVReceiver(kv_cache, transport="ucx", host="127.0.0.1")     # port 0: OS picks
+    endpoint = await receiver.start()           # KVEndpoint(host, port, transport): advertise it
+    fut = receiver.expect(transfer_id, block_ids, num_tokens, fingerprint(layout, cfg_json), timeout=30)
+    received = await fut                        # ReceivedKV(first_token=..., transfer_s=...)
+    receiver.cancel(transfer_id)                # e.g. client gone: fut fails with TransferAborted
     await receiver.close()
 
-Prefill worker (sender side; the engine thread may call send_layer directly)::
+The future resolves only when the receiver no longer writes into `block_ids`; free or reuse the
+blocks after it resolves, whatever the outcome.
 
-    sender = KVSender()                                    # owns an I/O thread and its loop
+Prefill worker (sender side); `send_layer` is thread-safe and never blocks, so the engine
+thread calls it right after each layer's forward::
+
+    sender = KVSender()                         # owns an I/O thread with its event loop
     xfer = sender.begin(endpoint, TransferHeader.for_layout(transfer_id, layout, n, fp))
-    xfer.send_layer(layer, k, v)                           # per layer, right after its forward
-    ack = await xfer.finish(first_token_id) and xfer.wait(timeout)   # TransferAck
+    xfer.send_layer(layer, k, v)                # [n, kv_heads, head_dim] each, per layer
+    xfer.finish(first_token_id)                 # returns a concurrent.futures.Future as well
+    ack = await xfer.wait(timeout=30)           # TransferAck, from any event loop
     sender.close()
 
 Failures raise `KVTransferError` subclasses (`FingerprintMismatch`, `ShapeMismatch`,
-`ChecksumMismatch`, `TransferTimeout`, `UnknownTransfer`, `TransferAborted`) on both sides.
+`ChecksumMismatch`, `TransferTimeout`, `UnknownTransfer`, `TransferAborted`) on both sides;
+`error.code` is an `ErrorCode` whose name maps onto proto `ERROR_CODE_KV_<NAME>`.
 """
 
 from kvtransfer.errors import (

@@ -84,7 +84,11 @@ class PoolTarget:
         """Make a verified layer visible in the pool (a no-op when it was received in place)."""
         staged = self._staging.pop(layer, None)
         if staged is not None:
-            self.cache.write_tokens(layer, self.block_ids, staged[K], staged[V])
+            k, v = staged
+            device = self.cache.key_caches[layer].device
+            if device.type != "cpu":
+                k, v = k.to(device), v.to(device)
+            self.cache.write_tokens(layer, self.block_ids, k, v)
 
     def release(self) -> None:
         """Drop staging buffers of layers that will never be committed."""

@@ -6,11 +6,13 @@ whether to tamper with the bytes it is about to put on the wire; the checksum it
 always the one of the untouched bytes, so the receiver sees exactly an in-flight corruption.
 Never enabled unless configured.
 
-`PDSERVE_KV_FAULTS` syntax: comma-separated `corrupt:<transfer_id, prefix* or *>:<layer>` entries.
+`PDSERVE_KV_FAULTS` syntax: comma-separated `corrupt:<transfer id pattern>:<layer>` entries; a
+pattern is an exact transfer id or an fnmatch glob (`tamper-*`, `*`).
 """
 
 from __future__ import annotations
 
+import fnmatch
 import logging
 import os
 import threading
@@ -22,12 +24,11 @@ import numpy as np
 log = logging.getLogger(__name__)
 
 ENV_VAR = "PDSERVE_KV_FAULTS"
-ANY = "*"
 
 
 @dataclass
 class FaultInjector:
-    """Flips one byte of layer N's K payload for the listed transfer ids (`*` matches all)."""
+    """Flips one byte of layer N's K payload of transfers whose id matches a glob pattern."""
 
     corrupt: Mapping[str, int] = field(default_factory=dict)
     tampered: list[tuple[str, int]] = field(default_factory=list)
@@ -43,17 +44,17 @@ class FaultInjector:
             kind, _, rest = entry.strip().partition(":")
             transfer_id, _, layer = rest.rpartition(":")
             if kind != "corrupt" or not transfer_id or not layer.isdigit():
-                raise ValueError(f"bad {ENV_VAR} entry {entry!r}; expected corrupt:<transfer_id|*>:<layer>")
+                raise ValueError(f"bad {ENV_VAR} entry {entry!r}; expected corrupt:<transfer id pattern>:<layer>")
             corrupt[transfer_id] = int(layer)
         log.warning("KV fault injection enabled: %s", corrupt)
         return cls(corrupt=corrupt)
 
     def _target(self, transfer_id: str) -> int | None:
-        """Layer to damage for this transfer: exact id, then `prefix*` patterns, then `*`."""
+        """Layer to damage for this transfer: an exact id wins, else the first matching glob."""
         if transfer_id in self.corrupt:
             return self.corrupt[transfer_id]
         for pattern, layer in self.corrupt.items():
-            if pattern.endswith(ANY) and transfer_id.startswith(pattern[:-1]):
+            if fnmatch.fnmatchcase(transfer_id, pattern):
                 return layer
         return None
 

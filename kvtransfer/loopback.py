@@ -2,9 +2,10 @@
 behind the integration tests and `bench/kvtransfer.py`.
 
 Lifecycle: `Peer("receiver" | "sender", spec).start()` spawns a child (multiprocessing
-"spawn", so no state leaks from the parent), which applies `spec.env`, builds its side, answers
-"ready" (the receiver with its endpoint) and serves commands until "stop". Every wait has a
-timeout; `stop()` escalates to kill, and `kill()` is SIGKILL (used to test peer death).
+"spawn", so no state leaks from the parent), which applies `spec.env`, builds its side (a
+receiver child runs one KVReceiver per transport in `spec.transports`, all into one pool),
+answers "ready" (a receiver with {transport: endpoint}) and serves commands until "stop".
+Every wait has a timeout; `stop()` escalates to kill, and `kill()` is SIGKILL (peer death).
 
 Source KV is generated from a seed, so a receiver's crc over what landed in its blocks can be
 compared with the sender's crc over what it sent (`kv_crc`).
@@ -13,6 +14,7 @@ compared with the sender's crc over what it sent (`kv_crc`).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -21,7 +23,7 @@ import time
 import zlib
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -39,7 +41,7 @@ log = logging.getLogger(__name__)
 class PeerSpec:
     """Everything a child needs to build its side; picklable."""
 
-    transport: str
+    transports: tuple[str, ...] = ("tcp",)
     num_layers: int = 30
     num_kv_heads: int = 3
     head_dim: int = 64
@@ -48,7 +50,7 @@ class PeerSpec:
     num_blocks: int = 64
     model_config_json: str = json.dumps({"model_type": "llama", "name": "SmolLM2-135M"})
     env: dict[str, str] = field(default_factory=dict)
-    transport_options: dict[str, Any] = field(default_factory=dict)
+    transport_options: dict[str, dict[str, Any]] = field(default_factory=dict)  # per transport name
     zero_copy: bool = True
 
     @property
@@ -98,6 +100,7 @@ class Peer:
         self._conn, child_conn = ctx.Pipe()
         self._proc = ctx.Process(target=_child_main, args=(role, spec, child_conn), name=f"kv-{role}", daemon=True)
         self._child_conn = child_conn
+        self._stopping = False
         self.ready: Any = None
 
     @property
@@ -108,19 +111,49 @@ class Peer:
     def alive(self) -> bool:
         return self._proc.is_alive()
 
-    def start(self, timeout: float = 60.0) -> Any:
+    def launch(self) -> None:
+        """Spawn the child without waiting for it (see `start_all`)."""
         self._proc.start()
         self._child_conn.close()
+
+    def start(self, timeout: float = 60.0) -> Any:
+        """Spawn the child and wait until it is ready; returns its ready payload."""
+        self.launch()
         self.ready = self.wait_reply(timeout)
         return self.ready
 
+    @staticmethod
+    def start_all(peers: list[Peer], timeout: float = 90.0) -> None:
+        """Spawn several children at once (their imports overlap) and wait for all."""
+        for peer in peers:
+            peer.launch()
+        deadline = time.monotonic() + timeout
+        for peer in peers:
+            peer.ready = peer.wait_reply(max(0.0, deadline - time.monotonic()))
+
+    @staticmethod
+    def stop_all(peers: list[Peer], timeout: float = 15.0) -> None:
+        """Ask every live child to stop, then reap them all (killing stragglers)."""
+        for peer in peers:
+            if peer.alive:
+                try:
+                    peer.post("stop")
+                except OSError:
+                    pass
+        for peer in peers:
+            peer.stop(timeout)
+
     def post(self, *command: Any) -> None:
+        self._stopping = self._stopping or command[0] == "stop"
         self._conn.send(command)
 
     def wait_reply(self, timeout: float) -> Any:
         if not self._conn.poll(timeout):
             raise TimeoutError(f"{self.role} did not answer within {timeout}s")
-        status, payload = self._conn.recv()
+        try:
+            status, payload = self._conn.recv()
+        except EOFError:
+            raise PeerError("EOFError", f"{self.role} (pid {self.pid}) exited") from None
         if status == "error":
             raise PeerError(*payload)
         return payload
@@ -137,7 +170,9 @@ class Peer:
     def stop(self, timeout: float = 15.0) -> None:
         if self._proc.is_alive():
             try:
-                self.call("stop", timeout=timeout)
+                if not self._stopping:
+                    self.post("stop")
+                self.wait_reply(timeout)
             except (TimeoutError, EOFError, OSError, PeerError):
                 pass
             self._proc.join(timeout)
@@ -145,7 +180,7 @@ class Peer:
             self.kill()
         self._conn.close()
 
-    def __enter__(self) -> Peer:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -164,6 +199,10 @@ def _child_main(role: str, spec: PeerSpec, conn: Connection) -> None:
             asyncio.run(_ReceiverChild(spec, conn).serve())
         else:
             _SenderChild(spec, conn).serve()
+    except Exception as exc:
+        with contextlib.suppress(OSError):
+            _reply_error(conn, exc)  # e.g. a failed start: the parent sees why
+        raise
     finally:
         conn.close()
 
@@ -177,42 +216,61 @@ class _ReceiverChild:
         self.spec = spec
         self.conn = conn
         self.cache = KVCache(spec.layout, spec.num_blocks)
+        self.receivers: dict[str, KVReceiver] = {}
         self.futures: dict[str, tuple[asyncio.Future[Any], list[int], float]] = {}
 
     async def serve(self) -> None:
-        receiver = KVReceiver(self.cache, self.spec.transport, zero_copy=self.spec.zero_copy, **self.spec.transport_options)
-        endpoint = await receiver.start()
-        self.conn.send(("ok", endpoint))
+        for name in self.spec.transports:
+            options = self.spec.transport_options.get(name, {})
+            self.receivers[name] = KVReceiver(self.cache, name, zero_copy=self.spec.zero_copy, **options)
+        endpoints = {name: await receiver.start() for name, receiver in self.receivers.items()}
+        self.conn.send(("ok", endpoints))
         try:
             while True:
                 command = await asyncio.to_thread(self.conn.recv)
                 if command[0] == "stop":
                     break
                 try:
-                    self.conn.send(("ok", await self.handle(receiver, *command)))
+                    self.conn.send(("ok", await self.handle(*command)))
                 except Exception as exc:  # noqa: BLE001 - reported to the parent
                     _reply_error(self.conn, exc)
         finally:
-            await receiver.close()
+            for receiver in self.receivers.values():
+                await receiver.close()
+            for fut, _, _ in self.futures.values():  # never asked for: not an error
+                if fut.done() and not fut.cancelled():
+                    fut.exception()
             self.conn.send(("ok", None))
 
-    async def handle(self, receiver: KVReceiver, name: str, *args: Any) -> Any:
+    async def handle(self, name: str, *args: Any) -> Any:
         if name == "expect":
-            tid, block_ids, num_tokens, timeout = args
-            fut = receiver.expect(tid, block_ids, num_tokens, self.spec.fingerprint, timeout)
+            transport, tid, block_ids, num_tokens, timeout = args
+            fut = self.receivers[transport].expect(tid, block_ids, num_tokens, self.spec.fingerprint, timeout)
             self.futures[tid] = (fut, block_ids, time.monotonic())
             return None
         if name == "result":
-            tid, timeout = args
+            tid, timeout, *rest = args
+            verify = rest[0] if rest else True
             fut, block_ids, expected_at = self.futures.pop(tid)
             try:
                 received = await asyncio.wait_for(asyncio.shield(fut), timeout)
             except KVTransferError as exc:
                 return {"ok": False, "error": type(exc).__name__, "message": str(exc), "elapsed_s": time.monotonic() - expected_at}
-            layers = [self.cache.read_tokens(i, block_ids, received.num_tokens) for i in range(self.spec.num_layers)]
-            return {"ok": True, "first_token": received.first_token, "kv_crc": kv_crc(layers), "transfer_s": received.transfer_s}
+            outcome = {"ok": True, "first_token": received.first_token, "transfer_s": received.transfer_s}
+            if verify:
+                layers = [self.cache.read_tokens(i, block_ids, received.num_tokens) for i in range(self.spec.num_layers)]
+                outcome["kv_crc"] = kv_crc(layers)
+            return outcome
         if name == "stats":
-            return {"bytes_received": receiver.stats.bytes_received, "completed": receiver.stats.completed, "failed": dict(receiver.stats.failed), "pending": receiver.pending}
+            return {
+                transport: {
+                    "bytes_received": r.stats.bytes_received,
+                    "completed": r.stats.completed,
+                    "failed": dict(r.stats.failed),
+                    "pending": r.pending,
+                }
+                for transport, r in self.receivers.items()
+            }
         raise ValueError(f"unknown receiver command {name!r}")
 
 
@@ -223,7 +281,7 @@ class _SenderChild:
         self.data: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def serve(self) -> None:
-        sender = KVSender(transport_options={self.spec.transport: self.spec.transport_options})
+        sender = KVSender(transport_options=self.spec.transport_options)
         self.conn.send(("ok", os.getpid()))
         try:
             while True:
@@ -274,7 +332,10 @@ class _SenderChild:
         for plan, xfer in xfers:
             try:
                 ack = xfer.result(timeout=plan.get("timeout", 60.0))
-                results.append({"ok": True, "duration_s": ack.duration_s, "nbytes": ack.nbytes, "kv_crc": kv_crc(self.source(plan["num_tokens"], plan["seed"]))})
+                outcome = {"ok": True, "duration_s": ack.duration_s, "nbytes": ack.nbytes}
+                if plan.get("verify", True):
+                    outcome["kv_crc"] = kv_crc(self.source(plan["num_tokens"], plan["seed"]))
+                results.append(outcome)
             except KVTransferError as exc:
                 results.append({"ok": False, "error": type(exc).__name__, "message": str(exc)})
         return {"transfers": results, "wall_s": time.perf_counter() - started}

@@ -7,7 +7,7 @@ Lifecycle of one transfer, owned by `KVReceiver`:
 2. BEGIN from a sender binds it to that connection's stream after checking the model
    fingerprint, the KV layout and the token count.
 3. Each LAYER is received straight into the request's blocks (or staged and then written with
-   `KVCache.write_tokens`), and its crc32 is checked off the event loop.
+   `KVCache.write_tokens`), and its checksum (crc32c or crc32) is checked off the event loop.
 4. TRAILER: once every layer has landed and matched its crc and the digest matches, the future
    resolves with `ReceivedKV` (first token) and the sender gets RESULT OK.
 
@@ -25,10 +25,11 @@ import logging
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Self
 
 from engine.kv_cache import KVCache
-from kvtransfer.buffers import K, V, PoolTarget
+from kvtransfer import checksum
+from kvtransfer.buffers import K, PoolTarget, V
 from kvtransfer.errors import (
     ChecksumMismatch,
     ErrorCode,
@@ -38,26 +39,30 @@ from kvtransfer.errors import (
     ShapeMismatch,
     TransferAborted,
     TransferTimeout,
-    UnknownTransfer,
 )
 from kvtransfer.messages import KVEndpoint, ReceivedKV
-from kvtransfer.transport.base import Channel, ChannelClosed, Listener, Transport, get_transport
+from kvtransfer.transport.base import (
+    Channel,
+    ChannelClosed,
+    Listener,
+    Transport,
+    get_transport,
+)
 from kvtransfer.wire import (
     Frame,
     FrameKind,
     LayerMeta,
     Result,
-    TransferHeader,
     Trailer,
-    crc_of,
+    TransferHeader,
     decode_reason,
     digest,
 )
 
 log = logging.getLogger(__name__)
 
-# Checksums of payloads at least this large run in a worker thread (zlib releases the GIL).
-_THREAD_CRC_BYTES = 256 << 10
+# Checksums of payloads at least this large run in a worker thread (they release the GIL).
+_THREAD_CHECKSUM_BYTES = 256 << 10
 
 
 @dataclass
@@ -114,11 +119,13 @@ class KVReceiver:
         self._listener: Listener | None = None
         self._expected: dict[str, _Transfer] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
 
     # --- lifecycle ------------------------------------------------------------------------
 
     async def start(self) -> KVEndpoint:
+        self._loop = asyncio.get_running_loop()
         self._listener = await self.transport.listen(self.host, self.port, self._serve)
         log.info("KV receiver (%s) on %s:%d", self.transport.name, self._listener.host, self._listener.port)
         return self.endpoint
@@ -139,7 +146,7 @@ class KVReceiver:
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=self.settle_timeout + 1)
 
-    async def __aenter__(self) -> KVReceiver:
+    async def __aenter__(self) -> Self:
         await self.start()
         return self
 
@@ -160,11 +167,13 @@ class KVReceiver:
         `block_ids`, or fails with a KVTransferError. Free the blocks only after it resolves."""
         if self._closing:
             raise RuntimeError("receiver is closed")
+        loop = asyncio.get_running_loop()
+        if loop is not self._loop:
+            raise RuntimeError("call expect() on the loop that started the receiver")
         if transfer_id in self._expected:
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         if num_tokens < 1:
             raise ValueError("num_tokens must be >= 1")
-        loop = asyncio.get_running_loop()
         xfer = _Transfer(
             transfer_id=transfer_id,
             block_ids=list(block_ids),
@@ -255,6 +264,8 @@ class KVReceiver:
             return FingerprintMismatch(
                 f"sender model fingerprint {header.fingerprint} != ours {xfer.fingerprint}", xfer.transfer_id
             )
+        if not checksum.is_supported(header.checksum):
+            return ProtocolError(f"checksum {header.checksum!r} is not supported here", xfer.transfer_id)
         layout_problem = header.layout_mismatch(self.cache.layout)
         if layout_problem is not None:
             return ShapeMismatch(layout_problem, xfer.transfer_id)
@@ -294,15 +305,19 @@ class KVReceiver:
             return
         if xfer.failed:
             return
-        buffers = views[K] + views[V]
-        if meta.k_nbytes + meta.v_nbytes >= _THREAD_CRC_BYTES:
-            crc = await asyncio.to_thread(crc_of, buffers)
+        assert xfer.header is not None
+        algorithm, buffers = xfer.header.checksum, views[K] + views[V]
+        if meta.k_nbytes + meta.v_nbytes >= _THREAD_CHECKSUM_BYTES:
+            crc = await asyncio.to_thread(checksum.compute, algorithm, buffers)
         else:
-            crc = crc_of(buffers)
+            crc = checksum.compute(algorithm, buffers)
         if xfer.failed:
             return
         if crc != meta.crc:
-            self._fail(xfer, ChecksumMismatch(f"layer {meta.layer} crc32 {crc:#010x} != sent {meta.crc:#010x}", xfer.transfer_id))
+            self._fail(
+                xfer,
+                ChecksumMismatch(f"layer {meta.layer} {algorithm} {crc:#010x} != sent {meta.crc:#010x}", xfer.transfer_id),
+            )
             return
         assert xfer.target is not None
         xfer.target.commit(meta.layer)
@@ -326,7 +341,7 @@ class KVReceiver:
         if len(xfer.layer_crcs) != n or trailer.num_layers != n:
             self._fail(xfer, ShapeMismatch(f"got {len(xfer.layer_crcs)} of {n} layers at trailer", xfer.transfer_id))
             return
-        if digest([xfer.layer_crcs[i] for i in range(n)]) != trailer.digest:
+        if digest([xfer.layer_crcs[i] for i in range(n)], xfer.header.checksum) != trailer.digest:
             self._fail(xfer, ChecksumMismatch("transfer digest mismatch", xfer.transfer_id))
             return
         self._finish(xfer)
@@ -390,7 +405,7 @@ class KVReceiver:
     async def _send_quietly(channel: Channel, frame: Frame) -> None:
         try:
             await asyncio.wait_for(channel.send(frame), 5.0)
-        except (ChannelClosed, OSError, asyncio.TimeoutError):
+        except (TimeoutError, ChannelClosed, OSError):
             pass
 
     def _track(self, work: Any) -> None:

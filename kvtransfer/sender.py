@@ -28,12 +28,13 @@ import itertools
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, Self
 
 import torch
 
 from engine.kv_cache import KVCache
+from kvtransfer import checksum
 from kvtransfer.buffers import tensor_bytes
 from kvtransfer.errors import (
     ErrorCode,
@@ -52,16 +53,15 @@ from kvtransfer.wire import (
     FrameKind,
     LayerMeta,
     Result,
-    TransferHeader,
     Trailer,
-    crc_of,
+    TransferHeader,
     digest,
     encode_reason,
 )
 
 log = logging.getLogger(__name__)
 
-_THREAD_CRC_BYTES = 256 << 10
+_THREAD_CHECKSUM_BYTES = 256 << 10
 
 
 @dataclass
@@ -100,6 +100,7 @@ class _Connection:
     def open_stream(self) -> tuple[int, asyncio.Future[Result]]:
         stream = next(self._streams) & 0xFFFFFFFF
         result: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
+        result.add_done_callback(lambda f: f.cancelled() or f.exception())  # may end unobserved
         self.results[stream] = result
         return stream, result
 
@@ -130,7 +131,7 @@ class _Connection:
         await self.channel.close()
         try:
             await asyncio.wait_for(asyncio.shield(self.reader), 5.0)
-        except (asyncio.TimeoutError, Exception):  # noqa: BLE001 - teardown
+        except (TimeoutError, Exception):  # noqa: BLE001 - teardown
             self.reader.cancel()
 
 
@@ -144,7 +145,7 @@ class OutgoingTransfer:
         self.ack_timeout = ack_timeout
         self.started_at = time.monotonic()
         self._queue: asyncio.Queue[_Layer | _Finish | _Abort] = asyncio.Queue()
-        self._closed_for_input = False
+        self._caller_done = False  # finish() or abort() was called
         self._lock = threading.Lock()
         self._ack: concurrent.futures.Future[TransferAck] = asyncio.run_coroutine_threadsafe(self._run(), sender.loop)
 
@@ -154,12 +155,12 @@ class OutgoingTransfer:
 
     def _put(self, item: _Layer | _Finish | _Abort) -> None:
         with self._lock:
-            if self._closed_for_input:
-                raise RuntimeError(f"transfer {self.transfer_id} already finished or aborted")
+            if self._caller_done:
+                raise RuntimeError(f"transfer {self.transfer_id}: send after finish() or abort()")
             if not isinstance(item, _Layer):
-                self._closed_for_input = True
+                self._caller_done = True
         if self._ack.done():
-            return  # already failed; nothing more will be sent
+            return  # the transfer already ended (its error is in the ack); drop quietly
         self.sender.loop.call_soon_threadsafe(self._queue.put_nowait, item)
 
     def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -192,7 +193,7 @@ class OutgoingTransfer:
         """Await the receiver's ack from any event loop."""
         try:
             return await asyncio.wait_for(asyncio.wrap_future(self._ack), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise TransferTimeout(f"no ack within {timeout}s", self.transfer_id) from None
 
     def result(self, timeout: float | None = None) -> TransferAck:
@@ -214,6 +215,8 @@ class OutgoingTransfer:
         self.sender._tasks.add(task)
         try:
             conn = await self.sender._connection(self.endpoint)
+            peer_checksums = conn.channel.hello.checksums if conn.channel.hello else ()
+            self.header = replace(self.header, checksum=checksum.choose(peer_checksums, self.sender.checksums))
             stream, result = conn.open_stream()
             await conn.channel.send(Frame(FrameKind.BEGIN, stream, self.header.encode()))
             crcs: dict[int, int] = {}
@@ -222,15 +225,17 @@ class OutgoingTransfer:
                 if isinstance(item, _Layer):
                     crcs[item.layer] = await self._send_layer(conn.channel, stream, item)
                 elif isinstance(item, _Abort):
-                    await conn.channel.send(Frame(FrameKind.ABORT, stream, encode_reason(item.reason)))
+                    await self._tell_receiver(conn, stream, result, item.reason)
+                    result = None  # told; do not tell again below
                     raise TransferAborted(f"aborted by sender: {item.reason}", tid)
                 else:
-                    trailer = Trailer(item.first_token, len(crcs), digest([crcs[i] for i in sorted(crcs)]))
+                    layer_sums = [crcs[i] for i in sorted(crcs)]
+                    trailer = Trailer(item.first_token, len(crcs), digest(layer_sums, self.header.checksum))
                     await conn.channel.send(Frame(FrameKind.TRAILER, stream, trailer.encode()))
                     break
             try:
                 outcome = await asyncio.wait_for(result, self.ack_timeout)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 raise TransferTimeout(f"no RESULT from {self.endpoint.host}:{self.endpoint.port} within {self.ack_timeout}s", tid) from None
             self._raise_for(outcome)
             ack = TransferAck(tid, self.header.nbytes, len(crcs), time.monotonic() - self.started_at)
@@ -254,8 +259,6 @@ class OutgoingTransfer:
             self.sender._tasks.discard(task)
             if conn is not None:
                 conn.close_stream(stream)
-            with self._lock:
-                self._closed_for_input = True
             self._drain_queue()
 
     @staticmethod
@@ -267,7 +270,7 @@ class OutgoingTransfer:
             return
         try:
             await asyncio.wait_for(conn.channel.send(Frame(FrameKind.ABORT, stream, encode_reason(reason))), 2.0)
-        except (ChannelClosed, OSError, asyncio.TimeoutError):
+        except (TimeoutError, ChannelClosed, OSError):
             pass
 
     async def _next(self, result: asyncio.Future[Result]) -> _Layer | _Finish | _Abort:
@@ -299,7 +302,11 @@ class OutgoingTransfer:
             raise ShapeMismatch(
                 f"layer {item.layer}: K/V of {len(parts[0])}/{len(parts[1])} B, header says {size} B", self.transfer_id
             )
-        crc = await asyncio.to_thread(crc_of, parts) if 2 * size >= _THREAD_CRC_BYTES else crc_of(parts)
+        algorithm = self.header.checksum
+        if 2 * size >= _THREAD_CHECKSUM_BYTES:
+            crc = await asyncio.to_thread(checksum.compute, algorithm, parts)
+        else:
+            crc = checksum.compute(algorithm, parts)
         wire = self.sender.faults.tamper(self.transfer_id, item.layer, parts) if self.sender.faults else parts
         meta = LayerMeta(item.layer, size, size, crc)
         await channel.send(Frame(FrameKind.LAYER, stream, meta.encode(), (size, size)), wire)
@@ -322,10 +329,12 @@ class KVSender:
         ack_timeout: float = 30.0,
         faults: FaultInjector | None = None,
         transport_options: dict[str, dict[str, Any]] | None = None,
+        checksums: tuple[str, ...] | None = None,
     ):
         self.connect_timeout = connect_timeout
         self.ack_timeout = ack_timeout
         self.faults = faults if faults is not None else FaultInjector.from_env()
+        self.checksums = checksums  # preference order; None: fastest available (crc32c, crc32)
         self.stats = SenderStats()
         self._transport_options = transport_options or {}
         self._transports: dict[str, Transport] = {}
@@ -410,7 +419,7 @@ class KVSender:
             self._thread.join(timeout)
             self.loop.close()
 
-    def __enter__(self) -> KVSender:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

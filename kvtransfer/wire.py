@@ -13,10 +13,10 @@ A frame is a fixed prelude, the sizes of its payload parts, a body, then the par
 One transfer is one *stream* on a connection (the sender numbers its streams):
 
     HELLO    receiver -> sender once per connection: version, transport, connection number,
-             data-plane address (UCX worker address, empty for tcp/local)
-    BEGIN    header: transfer id, model fingerprint, token count, KV layout
-    LAYER    layer index, K bytes, V bytes, crc32 of K||V; parts = [K, V]
-    TRAILER  first sampled token, number of layers, digest = crc32 over the per-layer crcs
+             checksums it can verify, data-plane address (UCX worker address; empty for tcp)
+    BEGIN    header: transfer id, model fingerprint, token count, KV layout, checksum algorithm
+    LAYER    layer index, K bytes, V bytes, checksum of K||V; parts = [K, V]
+    TRAILER  first sampled token, number of layers, digest = checksum over the layer checksums
     ABORT    sender gives up (prefill failed or cancelled); reason text
     RESULT   receiver -> sender: ErrorCode (OK or why it failed) and a message
 
@@ -29,8 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import struct
-import zlib
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import IntEnum
 from typing import Any
@@ -38,6 +37,7 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVLayout
+from kvtransfer.checksum import compute as compute_checksum
 from kvtransfer.errors import ErrorCode, ProtocolError
 
 MAGIC = 0x4B56  # "KV"
@@ -127,25 +127,34 @@ def _unpack_str(data: bytes, offset: int) -> tuple[bytes, int]:
 
 @dataclass(frozen=True)
 class Hello:
-    """Receiver's greeting: protocol and transport check plus data-plane bootstrap."""
+    """Receiver's greeting: protocol and transport check, the checksums it can verify, and
+    the data-plane bootstrap (UCX worker address)."""
 
     transport: str
     connection: int
+    checksums: tuple[str, ...] = ("crc32",)
     data_address: bytes = b""
 
     def encode(self) -> bytes:
-        return struct.pack("!HI", WIRE_VERSION, self.connection) + _pack_str(self.transport) + _pack_str(
-            self.data_address
+        return (
+            struct.pack("!HI", WIRE_VERSION, self.connection)
+            + _pack_str(self.transport)
+            + _pack_str(",".join(self.checksums))
+            + _pack_str(self.data_address)
         )
 
     @classmethod
     def decode(cls, body: bytes) -> Hello:
-        version, connection = struct.unpack_from("!HI", body, 0)
-        if version != WIRE_VERSION:
-            raise ProtocolError(f"peer speaks wire version {version}, we speak {WIRE_VERSION}")
-        transport, off = _unpack_str(body, 6)
-        address, _ = _unpack_str(body, off)
-        return cls(transport.decode(), connection, address)
+        try:
+            version, connection = struct.unpack_from("!HI", body, 0)
+            if version != WIRE_VERSION:
+                raise ProtocolError(f"peer speaks wire version {version}, we speak {WIRE_VERSION}")
+            transport, off = _unpack_str(body, 6)
+            checksums, off = _unpack_str(body, off)
+            address, _ = _unpack_str(body, off)
+            return cls(transport.decode(), connection, tuple(checksums.decode().split(",")), address)
+        except (struct.error, UnicodeDecodeError) as exc:
+            raise ProtocolError(f"malformed HELLO: {exc}") from None
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -164,6 +173,7 @@ class TransferHeader:
     head_dim: int
     block_size: int
     dtype: str
+    checksum: str = "crc32"  # algorithm of LayerMeta.crc and Trailer.digest (kvtransfer.checksum)
 
     _FIXED = struct.Struct("!IHHHH")
 
@@ -210,6 +220,7 @@ class TransferHeader:
             + _pack_str(self.dtype)
             + _pack_str(self.transfer_id)
             + _pack_str(self.fingerprint)
+            + _pack_str(self.checksum)
         )
 
     @classmethod
@@ -218,8 +229,11 @@ class TransferHeader:
             num_tokens, num_layers, heads, head_dim, block_size = cls._FIXED.unpack_from(body, 0)
             dtype, off = _unpack_str(body, cls._FIXED.size)
             transfer_id, off = _unpack_str(body, off)
-            fp, _ = _unpack_str(body, off)
-            header = cls(transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode())
+            fp, off = _unpack_str(body, off)
+            algorithm, _ = _unpack_str(body, off)
+            header = cls(
+                transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode(), algorithm.decode()
+            )
         except (struct.error, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed BEGIN: {exc}") from None
         if not isinstance(getattr(torch, header.dtype, None), torch.dtype):
@@ -336,14 +350,6 @@ def fingerprint(layout: KVLayout, model_config_json: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:32]
 
 
-def crc_of(buffers: Iterable[Any], crc: int = 0) -> int:
-    """crc32 over the concatenation of `buffers` (anything exposing the buffer protocol).
-    zlib releases the GIL on large buffers, so this runs well in a worker thread."""
-    for buf in buffers:
-        crc = zlib.crc32(buf, crc)
-    return crc
-
-
-def digest(layer_crcs: Sequence[int]) -> int:
-    """Transfer checksum: crc32 over the per-layer crcs in layer order."""
-    return zlib.crc32(struct.pack(f"!{len(layer_crcs)}I", *layer_crcs))
+def digest(layer_checksums: Sequence[int], algorithm: str) -> int:
+    """Transfer checksum: `algorithm` over the per-layer checksums in layer order."""
+    return compute_checksum(algorithm, [struct.pack(f"!{len(layer_checksums)}I", *layer_checksums)])

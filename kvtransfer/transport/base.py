@@ -18,7 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
-from kvtransfer.wire import Frame
+from kvtransfer.wire import Frame, Hello
 
 # Anything exposing the buffer protocol (numpy array, memoryview, bytes).
 Buffer = Any
@@ -35,6 +35,8 @@ class Channel(ABC):
 
     #: Whether a payload part may be scattered over several views without a staging copy.
     scatter: bool = True
+    #: The receiver's greeting, on channels opened by `Transport.connect`.
+    hello: Hello | None = None
 
     @property
     @abstractmethod
@@ -123,5 +125,5 @@ async def wait_closed(channel: Channel, timeout: float) -> None:
     """Close `channel`, bounded by `timeout`."""
     try:
         await asyncio.wait_for(channel.close(), timeout)
-    except (asyncio.TimeoutError, OSError, ChannelClosed):
+    except (TimeoutError, OSError, ChannelClosed):
         pass

@@ -13,6 +13,7 @@ import itertools
 import threading
 from collections.abc import Sequence
 
+from kvtransfer import checksum
 from kvtransfer.errors import ProtocolError
 from kvtransfer.transport.base import (
     Buffer,
@@ -157,11 +158,13 @@ class LocalTransport(Transport):
         frame = await asyncio.wait_for(client.recv(), timeout)
         if frame.kind != FrameKind.HELLO or Hello.decode(frame.body).transport != self.name:
             raise ProtocolError("bad HELLO on local channel")
+        client.hello = Hello.decode(frame.body)
         return client
 
     async def _serve(self, channel: LocalChannel, on_channel: ChannelHandler, open_channels: set[LocalChannel]) -> None:
         try:
-            await channel.send(Frame(FrameKind.HELLO, 0, Hello(self.name, next(_connections)).encode()))
+            hello = Hello(self.name, next(_connections), checksum.supported())
+            await channel.send(Frame(FrameKind.HELLO, 0, hello.encode()))
             await on_channel(channel)
         except ChannelClosed:
             pass

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from kvtransfer import checksum
 from kvtransfer.errors import ProtocolError
 from kvtransfer.transport.base import (
     Buffer,
@@ -300,7 +301,7 @@ class TcpChannel(Channel):
             self._proto.transport.close()
         try:
             await asyncio.wait_for(asyncio.shield(self._proto.lost), 2.0)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             if self._proto.transport is not None:
                 self._proto.transport.abort()
 
@@ -331,7 +332,7 @@ class TcpTransport(Transport):
         return TcpChannel(protocol)
 
     async def _hello(self, channel: TcpChannel, connection: int) -> Hello:
-        return Hello(self.name, connection)
+        return Hello(self.name, connection, checksum.supported())
 
     async def _on_hello(self, channel: TcpChannel, hello: Hello, timeout: float) -> TcpChannel:
         return channel
@@ -372,7 +373,7 @@ class TcpTransport(Transport):
             _, protocol = await asyncio.wait_for(
                 loop.create_connection(lambda: FramedProtocol(self.inline_payload), host, port), timeout
             )
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ChannelClosed(f"connect to {host}:{port} timed out after {timeout}s") from None
         except OSError as exc:
             raise ChannelClosed(f"connect to {host}:{port} failed: {exc}") from exc
@@ -384,6 +385,7 @@ class TcpTransport(Transport):
             hello = Hello.decode(frame.body)
             if hello.transport != self.name:
                 raise ProtocolError(f"{host}:{port} speaks transport {hello.transport!r}, not {self.name!r}")
+            channel.hello = hello
             return await self._on_hello(channel, hello, timeout)
         except BaseException as exc:
             await channel.close()

@@ -1,23 +1,35 @@
 """UCX transport (ucxx): control frames on a TCP connection, payloads as tagged UCX messages.
 
-Lifecycle: the first listen/connect in a process initialises ucxx once (`progress_mode`,
-default "blocking": the UCX worker's event fd is driven by the running asyncio loop) and binds
-UCX progress to that loop. A receiver's listener is the TCP listener of `kvtransfer.transport.tcp`
-whose HELLO also carries the receiver's UCX worker address; the sender creates one UCX endpoint
-from that address per connection, and aborts it when the connection closes.
+Lifecycle: each event loop that talks UCX gets one `UcxWorker` (its own UCX context and worker),
+created on first use and driven by that loop; nothing else touches it, so a sender thread and a
+receiver loop in one process never share UCX state. A receiver's listener is the TCP listener
+of `kvtransfer.transport.tcp`, whose HELLO also carries the receiver's UCX worker address; the
+sender creates one UCX endpoint from that address per connection and aborts it when the
+connection closes. Each payload part is one `tag_send` tagged (connection, frame seq, part);
+the receiver posts a worker-level `tag_recv` for it when it handles the frame: straight into
+the caller's view (the KV pool) when the part fits one view, else into a staging buffer that is
+then scattered.
 
-Each payload part is one `tag_send` with tag (connection, frame seq, part). The receiver posts a
-worker-level `tag_recv` for it when it handles the frame, straight into the caller's view (the
-KV pool) when the part fits one view, else into a staging buffer that is then scattered.
+Choices, measured with ucxx 0.52 / UCX 1.21 on this 2-core VM (see bench/kvtransfer.py):
 
-Why not `ucxx.create_listener`/`create_endpoint`: measured with ucxx 0.52 / UCX 1.21 on one
-host, endpoints created from a socket address always use error-handling mode PEER, which UCX
-serves only with tcp, not with its shared-memory (sysv/posix) or CMA transports: 0.4-0.6 GB/s.
-An endpoint created from the worker address without peer error handling picks CMA zero-copy
-(process_vm_readv) for rendezvous: 5-12 GB/s. Peer failure is then detected by the TCP control
-connection instead (EOF/RST arrive at once), which also lets the listener bind a chosen host;
-the ucxx listener binds every interface. Across hosts the same worker address selects UCX's
-network transports (tcp, or RDMA/NVLink where present).
+* Endpoints from a socket address (`ucxx.create_listener`/`create_endpoint`) always use UCX
+  peer error handling, which UCX serves only with tcp, not shared memory or CMA: 0.2-0.6 GB/s.
+  An endpoint created from the worker address without peer error handling gets CMA
+  (process_vm_readv, one copy) for rendezvous on one host. Peer death is detected by the TCP
+  control connection instead (EOF/RST arrive at once), and the control listener binds the
+  host we choose (the ucxx listener binds every interface). Across hosts the same worker
+  address selects UCX's network transports.
+* Progress: ucxx's asyncio modes busy-wait. Its "blocking" mode never re-arms the worker after
+  the first event, so the loop spins on a readable fd forever after the first message, and
+  `UCXRequest.wait()` polls with `asyncio.sleep(0)` while a request is outstanding: an idle
+  process burns a core. `UcxWorker` is event-driven instead: progress when the worker's
+  epoll fd is readable or after posting work, resolve finished requests' futures, re-arm;
+  nothing runs while nothing happens (a backed-off timer guards against a missed wakeup only
+  while requests are outstanding).
+* Window: up to 64 payload parts (32 layers) in flight per connection. Each rendezvous message
+  needs a round trip (RTS, CMA read, ATS); a small window makes the sender wait on those round
+  trips, each paying the receiver's and sender's wake-up latency, which on 2 busy vCPUs is
+  milliseconds.
 """
 
 from __future__ import annotations
@@ -25,53 +37,148 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import threading
+import weakref
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
+from kvtransfer import checksum
 from kvtransfer.transport.base import Buffer, ChannelClosed, PartViews
-from kvtransfer.transport.tcp import FramedProtocol, TcpChannel, TcpTransport, as_byte_view
+from kvtransfer.transport.tcp import (
+    FramedProtocol,
+    TcpChannel,
+    TcpTransport,
+    as_byte_view,
+)
 from kvtransfer.wire import MAX_PARTS, Frame, Hello
 
 log = logging.getLogger(__name__)
 
 _PART_BITS = 4
 _SEQ_BITS = 32
+# Safety net while requests are outstanding: progress at least this often (doubling up to
+# _TICK_MAX_S while nothing completes), so a missed wakeup can never stall a transfer.
+_TICK_MIN_S = 0.001
+_TICK_MAX_S = 0.1
 assert MAX_PARTS <= 1 << _PART_BITS
 
-_initialised = False
-_init_lock = threading.Lock()
 
-
-def _ucxx() -> Any:
+def _ucx_api() -> tuple[Any, Any, Any]:
+    """(ucxx._lib.libucxx, Array, Tag): ucxx's low-level (Cython) API."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")  # ucxx sets UCX_MEMTYPE_CACHE, unused on CPU
-    import ucxx
+    import ucxx._lib.libucxx as ucx_api
+    from ucxx._lib.arr import Array
+    from ucxx.types import Tag
 
-    return ucxx
-
-
-def ensure_ucx(progress_mode: str) -> Any:
-    """Initialise ucxx once per process and make the running loop drive UCX progress.
-
-    One event loop per process should talk UCX (the worker is progressed from it)."""
-    global _initialised
-    ucxx = _ucxx()
-    with _init_lock:
-        if not _initialised:
-            try:
-                ucxx.init(progress_mode=progress_mode)
-                log.info("ucxx initialised (UCX %s), progress mode %s", ucxx.__ucx_version__, progress_mode)
-            except RuntimeError:
-                log.info("ucxx was already initialised in this process; keeping its progress mode")
-            _initialised = True
-    ucxx.continuous_ucx_progress(asyncio.get_running_loop())
-    return ucxx
+    return ucx_api, Array, Tag
 
 
 def payload_tag(connection: int, seq: int, part: int) -> int:
     return (connection << (_SEQ_BITS + _PART_BITS)) | (seq << _PART_BITS) | part
+
+
+class UcxWorker:
+    """A UCX worker driven by one asyncio loop, event-driven: no progress thread, no polling."""
+
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, UcxWorker]] = weakref.WeakKeyDictionary()
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, options: dict[str, str] | None = None):
+        self._api, self._Array, self._Tag = _ucx_api()
+        self.loop = loop
+        self._context = self._api.UCXContext(options or {})
+        self._worker = self._api.UCXWorker(self._context)
+        self._worker.init_blocking_progress_mode()
+        self._fd = self._worker.epoll_file_descriptor
+        # request -> (its future, the buffer it reads or writes: kept alive until it finishes)
+        self._pending: dict[Any, tuple[asyncio.Future[None], Any]] = {}
+        self._scheduled = False
+        self._closed = False
+        self._tick: asyncio.TimerHandle | None = None
+        self._tick_s = _TICK_MIN_S
+        loop.add_reader(self._fd, self._progress)
+        self.address: bytes = self._worker.address.tobytes()
+        log.info("UCX worker ready for loop %#x", id(loop))
+
+    @classmethod
+    def for_running_loop(cls) -> UcxWorker:
+        loop = asyncio.get_running_loop()
+        worker = cls._by_loop.get(loop)
+        if worker is None or worker._closed:
+            worker = cls._by_loop[loop] = cls(loop)
+        return worker
+
+    def connect(self, address: bytes) -> Any:
+        """Endpoint to the worker at `address`, without peer error handling (allows CMA/shm)."""
+        ep = self._api.UCXEndpoint.create_from_worker_address(
+            self._worker, self._api.UCXAddress.create_from_buffer(address), False
+        )
+        self._kick()
+        return ep
+
+    def send(self, ep: Any, buf: memoryview, tag: int) -> asyncio.Future[None]:
+        return self._track(ep.tag_send(self._Array(buf), self._Tag(tag)), buf)
+
+    def recv(self, buf: Any, tag: int) -> asyncio.Future[None]:
+        return self._track(self._worker.tag_recv(self._Array(buf), self._Tag(tag)), buf)
+
+    @staticmethod
+    def abort(ep: Any) -> None:
+        """Close an endpoint at once; sends still queued on it are cancelled."""
+        try:
+            ep.close_blocking(10**8, 1)
+        except Exception as exc:  # noqa: BLE001 - best effort at teardown
+            log.debug("UCX endpoint abort: %s", exc)
+
+    def _track(self, request: Any, buf: Any) -> asyncio.Future[None]:
+        future = self.loop.create_future()
+        self._pending[request] = (future, buf)
+        self._kick()
+        return future
+
+    def _kick(self) -> None:
+        if not self._scheduled and not self._closed:
+            self._scheduled = True
+            self.loop.call_soon(self._progress)
+
+    def _progress(self) -> None:
+        """Progress until idle, resolve finished requests, re-arm (or go again if busy)."""
+        self._scheduled = False
+        if self._closed:
+            return
+        while self._worker.progress_once():
+            pass
+        finished = [r for r in self._pending if r.completed]
+        self._tick_s = _TICK_MIN_S if finished else min(2 * self._tick_s, _TICK_MAX_S)
+        for request in finished:
+            future, _ = self._pending.pop(request)
+            if future.done():
+                continue  # abandoned by its waiter
+            try:
+                request.check_error()
+                future.set_result(None)
+            except Exception as exc:  # noqa: BLE001 - UCX reports errors as exceptions
+                future.set_exception(exc)
+        if not self._worker.arm():  # busy: events arrived since the last progress
+            self._kick()
+        elif self._pending and self._tick is None:
+            self._tick = self.loop.call_later(self._tick_s, self._on_tick)
+
+    def _on_tick(self) -> None:
+        self._tick = None
+        self._progress()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.loop.remove_reader(self._fd)
+        if self._tick is not None:
+            self._tick.cancel()
+        for future, _ in self._pending.values():
+            if not future.done():
+                future.set_exception(ChannelClosed("UCX worker closed"))
+        self._pending.clear()
 
 
 class UcxChannel(TcpChannel):
@@ -79,23 +186,20 @@ class UcxChannel(TcpChannel):
 
     scatter = False
 
-    def __init__(self, protocol: FramedProtocol, ucxx: Any, window: int):
+    def __init__(self, protocol: FramedProtocol, worker: UcxWorker, window: int):
         super().__init__(protocol)
-        self._ucxx = ucxx
+        self._worker = worker
         self._window = window
         self.connection = 0
         self._ep: Any = None
-        self._inflight: set[asyncio.Task[None]] = set()
+        self._inflight: set[asyncio.Future[None]] = set()
         self._send_error: BaseException | None = None
 
     # --- sender side ----------------------------------------------------------------------
 
-    async def attach(self, hello: Hello, timeout: float) -> None:
+    def attach(self, hello: Hello) -> None:
         """Create the UCX endpoint to the receiver whose HELLO we got."""
-        address = self._ucxx.get_ucx_address_from_buffer(hello.data_address)
-        self._ep = await asyncio.wait_for(
-            self._ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False), timeout
-        )
+        self._ep = self._worker.connect(hello.data_address)
         self.connection = hello.connection
         self.lost.add_done_callback(lambda _: self._abort_endpoint())
 
@@ -118,15 +222,18 @@ class UcxChannel(TcpChannel):
     def _start_send(self, view: memoryview, tag: int) -> None:
         if self._ep is None:
             raise ChannelClosed("UCX endpoint not attached")
-        task = asyncio.get_running_loop().create_task(self._ep.send(view, tag=tag, force_tag=True))
-        self._inflight.add(task)
-        task.add_done_callback(self._send_done)
+        sent = self._worker.send(self._ep, view, tag)
+        self._inflight.add(sent)
+        sent.add_done_callback(self._send_done)
 
-    def _send_done(self, task: asyncio.Task[None]) -> None:
-        self._inflight.discard(task)
-        if not task.cancelled() and task.exception() is not None and self._send_error is None:
-            self._send_error = task.exception()
-            log.warning("UCX send to %s failed: %s", self.peer, self._send_error)
+    def _send_done(self, sent: asyncio.Future[None]) -> None:
+        self._inflight.discard(sent)
+        if sent.cancelled() or sent.exception() is None or self._send_error is not None:
+            return
+        self._send_error = sent.exception()
+        log.warning("UCX send to %s failed, dropping the connection: %s", self.peer, self._send_error)
+        if self._proto.transport is not None:
+            self._proto.transport.abort()  # the receiver sees the drop; we reconnect next time
 
     async def flush(self) -> None:
         while self._inflight:
@@ -138,19 +245,16 @@ class UcxChannel(TcpChannel):
 
     def _abort_endpoint(self) -> None:
         ep, self._ep = self._ep, None
-        for task in list(self._inflight):
-            task.cancel()
         if ep is not None:
-            try:
-                ep.abort(period=10**8, max_attempts=1)  # cancels sends still queued in UCX
-            except Exception as exc:  # noqa: BLE001 - best effort at teardown
-                log.debug("UCX endpoint abort: %s", exc)
+            UcxWorker.abort(ep)  # cancels sends still queued in UCX
+        for sent in list(self._inflight):
+            sent.cancel()
 
     async def close(self) -> None:
         if self._inflight and not self.lost.done():
             try:
                 await asyncio.wait_for(self.flush(), 2.0)
-            except (asyncio.TimeoutError, ChannelClosed):
+            except (TimeoutError, ChannelClosed):
                 pass
         await super().close()
         self._abort_endpoint()
@@ -158,62 +262,65 @@ class UcxChannel(TcpChannel):
     # --- receiver side --------------------------------------------------------------------
 
     def read_payload(self, frame: Frame, parts: Sequence[PartViews]) -> asyncio.Future[None]:
-        recvs = []
+        receives = []
         for part, (size, views) in enumerate(zip(frame.part_sizes, parts, strict=True)):
             views = [as_byte_view(v) for v in views]
             if sum(len(v) for v in views) != size:
                 raise ValueError(f"views hold {sum(len(v) for v in views)} B, part has {size} B")
             if size:
-                recvs.append(self._recv_part(payload_tag(self.connection, frame.seq, part), views, size))
-        return self._until_closed(asyncio.gather(*recvs))
+                receives.append(self._recv_part(payload_tag(self.connection, frame.seq, part), views, size))
+        return self._until_closed(asyncio.gather(*receives))
 
     def discard_payload(self, frame: Frame) -> asyncio.Future[None]:
-        recvs = [
+        receives = [
             self._recv_part(payload_tag(self.connection, frame.seq, part), None, size)
             for part, size in enumerate(frame.part_sizes)
             if size
         ]
-        return self._until_closed(asyncio.gather(*recvs))
+        return self._until_closed(asyncio.gather(*receives))
 
-    async def _recv_part(self, tag: int, views: list[memoryview] | None, size: int) -> None:
+    def _recv_part(self, tag: int, views: list[memoryview] | None, size: int) -> asyncio.Future[None]:
+        """Post the receive now (so UCX can match the message at once); scatter if staged."""
         if views is not None and len(views) == 1:
-            await self._ucxx.recv(views[0], tag=tag)
-            return
+            return self._worker.recv(views[0], tag)
         staging = np.empty(size, dtype=np.uint8)
-        await self._ucxx.recv(staging, tag=tag)
-        if views is not None:
-            offset = 0
-            for view in views:
-                view[:] = staging[offset : offset + len(view)].data
-                offset += len(view)
+        received = self._worker.recv(staging, tag)
+        if views is None:
+            return received
+        return asyncio.ensure_future(self._scatter(received, staging, views))
+
+    @staticmethod
+    async def _scatter(received: asyncio.Future[None], staging: np.ndarray, views: list[memoryview]) -> None:
+        await received
+        offset = 0
+        for view in views:
+            view[:] = staging[offset : offset + len(view)].data
+            offset += len(view)
 
     def _until_closed(self, work: asyncio.Future[Any]) -> asyncio.Future[None]:
         """Fail with ChannelClosed when the control connection drops before `work` is done: a
         sender that is gone (or closed its endpoint) will not send the rest."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future[None] = loop.create_future()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def finish(_: Any) -> None:
             if done.done():
                 return
-            if work.done():
-                if work.cancelled():
-                    done.cancel()
-                elif work.exception() is not None:
-                    done.set_exception(work.exception())  # type: ignore[arg-type]
-                else:
-                    done.set_result(None)
-            else:
+            if not work.done():
                 done.set_exception(ChannelClosed(f"channel to {self.peer} closed mid-payload"))
+            elif work.cancelled():
+                done.cancel()
+            elif work.exception() is not None:
+                done.set_exception(work.exception())  # type: ignore[arg-type]
+            else:
+                done.set_result(None)
 
         def on_work_done(_: Any) -> None:
             self.lost.remove_done_callback(finish)
             finish(work)
 
         work.add_done_callback(on_work_done)
+        work.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even if unobserved
         self.lost.add_done_callback(finish)
-        # Keep the UCX receive's exception retrieved even when the channel lost the race.
-        work.add_done_callback(lambda f: f.cancelled() or f.exception())
         return done
 
 
@@ -223,27 +330,18 @@ class UcxTransport(TcpTransport):
     name = "ucx"
     inline_payload = False
 
-    def __init__(self, progress_mode: str = "blocking", window: int = 8):
-        self.progress_mode = progress_mode
+    def __init__(self, window: int = 64):
         self.window = window
-        self._ucxx: Any = None
-
-    def _lib(self) -> Any:
-        if self._ucxx is None:
-            self._ucxx = ensure_ucx(self.progress_mode)
-        else:
-            ensure_ucx(self.progress_mode)  # bind progress to this loop too
-        return self._ucxx
 
     def _make_channel(self, protocol: FramedProtocol) -> UcxChannel:
-        return UcxChannel(protocol, self._lib(), self.window)
+        return UcxChannel(protocol, UcxWorker.for_running_loop(), self.window)
 
     async def _hello(self, channel: TcpChannel, connection: int) -> Hello:
         assert isinstance(channel, UcxChannel)
         channel.connection = connection
-        return Hello(self.name, connection, self._lib().get_worker_address().tobytes())
+        return Hello(self.name, connection, checksum.supported(), UcxWorker.for_running_loop().address)
 
     async def _on_hello(self, channel: TcpChannel, hello: Hello, timeout: float) -> TcpChannel:
         assert isinstance(channel, UcxChannel)
-        await channel.attach(hello, timeout)
+        channel.attach(hello)
         return channel

@@ -1,108 +1,134 @@
-"""KV transfer between real processes on 127.0.0.1 (tcp and ucx), SmolLM2-135M KV shapes."""
+"""KV transfer between real processes on 127.0.0.1 (tcp and ucx), SmolLM2-135M KV shapes.
+
+Three children serve every test, started in parallel: a receiver and a sender, plus a victim
+sender that the sender-death test kills; the last test kills the receiver itself. Each child
+runs both transports, so one kill covers tcp and ucx at once. Tests run in file order.
+"""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from kvtransfer.loopback import Peer, PeerSpec
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(180)
 
-SMOLLM2 = dict(num_layers=30, num_kv_heads=3, head_dim=64, block_size=16, dtype="float32")
-FAULTS = {"PDSERVE_KV_FAULTS": "corrupt:tampered:7"}
+TRANSPORTS = ("tcp", "ucx")
+SMOLLM2 = {"num_layers": 30, "num_kv_heads": 3, "head_dim": 64, "block_size": 16, "dtype": "float32"}
 
 
-def spec(transport: str, **env: str) -> PeerSpec:
-    return PeerSpec(transport=transport, num_blocks=160, env=dict(env), **SMOLLM2)
+def spec(**env: str) -> PeerSpec:
+    return PeerSpec(transports=TRANSPORTS, num_blocks=128, env=dict(env), **SMOLLM2)
 
 
 def plan(endpoint, tid: str, num_tokens: int, seed: int, **extra) -> dict:
     return {"endpoint": endpoint, "tid": tid, "num_tokens": num_tokens, "seed": seed, "first_token": seed, **extra}
 
 
-@pytest.fixture(scope="module", params=["tcp", "ucx"])
-def peers(request: pytest.FixtureRequest) -> Iterator[tuple[str, Peer, Peer]]:
-    """A receiver and a sender (with fault injection for transfer id 'tampered')."""
-    transport = request.param
-    receiver = Peer("receiver", spec(transport))
-    sender = Peer("sender", spec(transport, **FAULTS))
+@dataclass
+class Cluster:
+    receiver: Peer
+    sender: Peer
+    victim_sender: Peer
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster(
+        receiver=Peer("receiver", spec()),
+        sender=Peer("sender", spec(PDSERVE_KV_FAULTS="corrupt:tcp-tampered:7,corrupt:ucx-tampered:7")),
+        victim_sender=Peer("sender", spec()),
+    )
+    peers = [c.receiver, c.sender, c.victim_sender]
     try:
-        receiver.start()
-        sender.start()
-        yield transport, receiver, sender
+        Peer.start_all(peers)
+        yield c
     finally:
-        sender.stop()
-        receiver.stop()
-    assert not sender.alive and not receiver.alive
+        Peer.stop_all(peers)
+    assert not any(p.alive for p in peers)
 
 
-def test_concurrent_transfers_land_intact(peers) -> None:
-    _, receiver, sender = peers
-    endpoint = receiver.ready
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_concurrent_transfers_land_intact(cluster: Cluster, transport: str) -> None:
+    receiver, sender = cluster.receiver, cluster.sender
+    endpoint = receiver.ready[transport]
     cases = {
-        "long": (1000, list(range(0, 63))),  # contiguous blocks: received in place
-        "frag": (37, [100, 90, 91, 70]),  # scattered blocks
-        "short": (16, [150]),
+        f"{transport}-long": (1000, list(range(63))),  # contiguous: lands in place
+        f"{transport}-frag": (37, [100, 90, 91, 70]),  # scattered blocks
+        f"{transport}-short": (16, [127]),
     }
     for tid, (n, blocks) in cases.items():
-        receiver.call("expect", tid, blocks, n, 60.0)
-    out = sender.call("send", [plan(endpoint, tid, n, seed=i) for i, (tid, (n, _)) in enumerate(cases.items())])
-    for (tid, _), sent in zip(cases.items(), out["transfers"]):
+        receiver.call("expect", transport, tid, blocks, n, 60.0)
+    plans = [plan(endpoint, tid, n, seed=i) for i, (tid, (n, _)) in enumerate(cases.items())]
+    sent = sender.call("send", plans)["transfers"]
+    for (tid, _), out in zip(cases.items(), sent):
         got = receiver.call("result", tid, 30.0)
-        assert sent["ok"] and got["ok"], (sent, got)
-        assert got["kv_crc"] == sent["kv_crc"], tid
-    stats = receiver.call("stats")
+        assert out["ok"] and got["ok"], (out, got)
+        assert got["kv_crc"] == out["kv_crc"], tid
+        assert got["first_token"] == plans[list(cases).index(tid)]["first_token"]
+    stats = receiver.call("stats")[transport]
     assert stats["completed"] >= 3 and stats["pending"] == 0
 
 
-def test_tampered_payload_is_rejected_then_connection_still_works(peers) -> None:
-    _, receiver, sender = peers
-    endpoint = receiver.ready
-    receiver.call("expect", "tampered", list(range(0, 32)), 500, 60.0)
-    out = sender.call("send", [plan(endpoint, "tampered", 500, seed=5)])["transfers"][0]
-    got = receiver.call("result", "tampered", 30.0)
-    assert not got["ok"] and got["error"] == "ChecksumMismatch" and "layer 7" in got["message"]
-    assert not out["ok"] and out["error"] == "ChecksumMismatch"
-    receiver.call("expect", "after-tamper", list(range(0, 32)), 500, 60.0)
-    out = sender.call("send", [plan(endpoint, "after-tamper", 500, seed=6)])["transfers"][0]
-    got = receiver.call("result", "after-tamper", 30.0)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_tampered_payload_is_rejected_then_connection_still_works(cluster: Cluster, transport: str) -> None:
+    receiver, sender = cluster.receiver, cluster.sender
+    endpoint = receiver.ready[transport]
+    blocks = list(range(64, 96))
+    tid = f"{transport}-tampered"
+    receiver.call("expect", transport, tid, blocks, 500, 60.0)
+    out = sender.call("send", [plan(endpoint, tid, 500, seed=5)])["transfers"][0]
+    got = receiver.call("result", tid, 30.0)
+    assert not got["ok"] and got["error"] == "ChecksumMismatch" and "layer 7" in got["message"], got
+    assert not out["ok"] and out["error"] == "ChecksumMismatch", out
+
+    tid = f"{transport}-after-tamper"
+    receiver.call("expect", transport, tid, blocks, 500, 60.0)
+    out = sender.call("send", [plan(endpoint, tid, 500, seed=6)])["transfers"][0]
+    got = receiver.call("result", tid, 30.0)
     assert out["ok"] and got["ok"] and got["kv_crc"] == out["kv_crc"]
 
 
-def test_sender_killed_mid_transfer(peers) -> None:
-    transport, receiver, _ = peers
-    endpoint = receiver.ready
-    victim = Peer("sender", spec(transport))
-    try:
-        victim.start()
-        receiver.call("expect", "doomed", list(range(0, 64)), 1024, 60.0)
-        victim.post("send", [plan(endpoint, "doomed", 1024, seed=9, layer_delay_s=0.1)])
-        time.sleep(1.0)  # a few layers are through
-        victim.kill()
-        killed_at = time.monotonic()
-        got = receiver.call("result", "doomed", 30.0)
+def test_sender_killed_mid_transfer(cluster: Cluster) -> None:
+    receiver, victim = cluster.receiver, cluster.victim_sender
+    plans = []
+    for i, transport in enumerate(TRANSPORTS):
+        tid = f"{transport}-doomed"
+        receiver.call("expect", transport, tid, list(range(i * 64, i * 64 + 64)), 1024, 60.0)
+        plans.append(plan(receiver.ready[transport], tid, 1024, seed=9, layer_delay_s=0.1))
+    victim.post("send", plans)
+    time.sleep(1.0)  # a few layers are through
+    victim.kill()
+    killed_at = time.monotonic()
+    for transport in TRANSPORTS:
+        got = receiver.call("result", f"{transport}-doomed", 30.0)
         assert not got["ok"] and got["error"] == "TransferAborted", got
-        assert time.monotonic() - killed_at < 10.0  # detected from the connection, not the 60 s deadline
-    finally:
-        victim.stop()
-    stats = receiver.call("stats")
-    assert stats["pending"] == 0 and stats["failed"].get("ABORTED", 0) >= 1
+    # Detected from the dropped connection, well before the 60 s deadline.
+    assert time.monotonic() - killed_at < 10.0
+    for transport, stats in receiver.call("stats").items():
+        assert stats["pending"] == 0 and stats["failed"].get("ABORTED", 0) >= 1, (transport, stats)
 
 
-def test_receiver_killed_mid_transfer(peers) -> None:
-    transport, _, sender = peers
-    victim = Peer("receiver", spec(transport))
-    try:
-        endpoint = victim.start()
-        victim.call("expect", "orphan", list(range(0, 64)), 1024, 60.0)
-        sender.post("send", [plan(endpoint, "orphan", 1024, seed=3, layer_delay_s=0.1, timeout=30.0)])
-        time.sleep(1.0)
-        victim.kill()
-        out = sender.wait_reply(40.0)["transfers"][0]
+def test_receiver_killed_mid_transfer(cluster: Cluster) -> None:
+    """Last test: kills the module's receiver."""
+    sender, victim = cluster.sender, cluster.receiver
+    plans = []
+    for i, transport in enumerate(TRANSPORTS):
+        tid = f"{transport}-orphan"
+        victim.call("expect", transport, tid, list(range(i * 64, i * 64 + 64)), 1024, 60.0)
+        plans.append(plan(victim.ready[transport], tid, 1024, seed=3, layer_delay_s=0.1, timeout=30.0))
+    sender.post("send", plans)
+    time.sleep(1.0)
+    victim.kill()
+    for out in sender.wait_reply(40.0)["transfers"]:
         assert not out["ok"] and out["error"] == "TransferAborted", out
-    finally:
-        victim.stop()
-    assert sender.alive  # the sender survives its peer's death
+    # The sender survives its peer's death and keeps answering: a new transfer to the dead
+    # endpoint fails fast (connection refused) instead of hanging.
+    assert sender.alive
+    retry = [plan(victim.ready[t], f"{t}-retry", 16, seed=1, timeout=10.0) for t in TRANSPORTS]
+    for out in sender.call("send", retry, timeout=30.0)["transfers"]:
+        assert not out["ok"] and out["error"] == "TransferAborted", out

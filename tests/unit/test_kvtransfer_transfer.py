@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib.util
 import json
 import threading
 
@@ -22,6 +24,7 @@ from kvtransfer import (
     TransferHeader,
     TransferTimeout,
     UnknownTransfer,
+    checksum,
     fingerprint,
 )
 
@@ -54,9 +57,14 @@ def header(tid: str, n: int = N, fp: str = FP, layout: KVLayout = LAYOUT) -> Tra
     return TransferHeader.for_layout(tid, layout, n, fp)
 
 
-@pytest.fixture(params=["local", "tcp"])
+HAVE_UCX = importlib.util.find_spec("ucxx") is not None  # not imported here: kvtransfer sets UCX env first
+TRANSPORTS = ["local", "tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing"))]
+
+
+@pytest.fixture(params=TRANSPORTS)
 async def rig(request: pytest.FixtureRequest):
-    """(receiver, dst cache, sender, endpoint) with a fresh destination pool."""
+    """(receiver, dst cache, sender, endpoint) with a fresh destination pool. In-process: the
+    sender's loop and the receiver's loop each drive their own UCX worker."""
     dst = KVCache(LAYOUT, num_blocks=16)
     receiver = KVReceiver(dst, request.param, settle_timeout=2.0)
     endpoint = await receiver.start()
@@ -80,17 +88,20 @@ async def test_roundtrip_equals_source(rig) -> None:
     assert_same_kv(src, dst, SRC_BLOCKS, DST_BLOCKS, N)
     assert receiver.pending == 0 and receiver.stats.completed == 1
     assert sender.stats.bytes_sent == ack.nbytes
+    assert xfer.header.checksum == checksum.supported()[0]  # negotiated: fastest both support
 
 
-async def test_staging_path_and_layers_out_of_order(rig) -> None:
+async def test_staging_path_layers_out_of_order_zlib_crc32(rig) -> None:
     receiver, dst, sender, endpoint = rig
     receiver.zero_copy = False
+    sender.checksums = ("crc32",)
     src = filled_cache(1)
     fut = receiver.expect("t2", DST_BLOCKS, N, FP, timeout=10)
     xfer = sender.begin(endpoint, header("t2"))
     xfer.send_from_cache(src, SRC_BLOCKS, layers=range(3, -1, -1))
     xfer.finish(first_token=7)
     assert (await fut).first_token == 7
+    assert xfer.header.checksum == "crc32"
     assert_same_kv(src, dst, SRC_BLOCKS, DST_BLOCKS, N)
 
 
@@ -108,7 +119,7 @@ async def test_concurrent_transfers_share_one_connection(rig) -> None:
         xfer.finish(first_token=i)
     results = await asyncio.gather(*futs.values())
     assert [r.first_token for r in results] == [0, 1, 2, 3]
-    for tid, (s, d) in plans.items():
+    for s, d in plans.values():
         assert_same_kv(src, dst, s, d, 4)
     assert len(sender._connections) == 1
 
@@ -278,3 +289,38 @@ async def test_expect_validates_arguments(rig) -> None:
     receiver.cancel("t12")
     with pytest.raises(TransferAborted):
         await fut
+
+
+async def test_garbage_connection_is_dropped_and_receiver_keeps_serving() -> None:
+    dst = KVCache(LAYOUT, num_blocks=16)
+    async with KVReceiver(dst, "tcp") as receiver:
+        reader, writer = await asyncio.open_connection(receiver.endpoint.host, receiver.endpoint.port)
+        await reader.read(1)  # the HELLO starts arriving
+        writer.write(b"\x00" * 64)  # not a frame
+        await writer.drain()
+        with contextlib.suppress(ConnectionResetError):  # the receiver hangs up (EOF or RST)
+            await asyncio.wait_for(reader.read(), 5)
+        writer.close()
+        sender = KVSender(ack_timeout=10.0)
+        try:
+            src = filled_cache(5)
+            fut = receiver.expect("t13", DST_BLOCKS, N, FP, timeout=10)
+            xfer = sender.begin(receiver.endpoint, header("t13"))
+            xfer.send_from_cache(src, SRC_BLOCKS)
+            xfer.finish(3)
+            assert (await fut).first_token == 3
+            assert_same_kv(src, dst, SRC_BLOCKS, DST_BLOCKS, N)
+        finally:
+            await asyncio.to_thread(sender.close)
+
+
+async def test_send_after_finish_is_a_caller_error(rig) -> None:
+    receiver, _, sender, endpoint = rig
+    fut = receiver.expect("t14", DST_BLOCKS, N, FP, timeout=10)
+    xfer = sender.begin(endpoint, header("t14"))
+    xfer.send_from_cache(filled_cache(), SRC_BLOCKS)
+    xfer.finish(1)
+    with pytest.raises(RuntimeError, match="after finish"):
+        xfer.send_layer(0, torch.zeros(N, 2, 8), torch.zeros(N, 2, 8))
+    await fut
+    await xfer.wait(10)

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from engine.kv_cache import KVLayout
+from kvtransfer import checksum
 from kvtransfer.buffers import block_runs
-from kvtransfer.errors import ErrorCode, ProtocolError, error_from_code, ChecksumMismatch
+from kvtransfer.errors import (
+    ChecksumMismatch,
+    ErrorCode,
+    ProtocolError,
+    error_from_code,
+)
 from kvtransfer.faults import FaultInjector
 from kvtransfer.wire import (
     PRELUDE,
@@ -20,9 +26,8 @@ from kvtransfer.wire import (
     Hello,
     LayerMeta,
     Result,
-    TransferHeader,
     Trailer,
-    crc_of,
+    TransferHeader,
     decode_frame_rest,
     decode_prelude,
     digest,
@@ -77,8 +82,12 @@ def test_bodies_roundtrip() -> None:
     assert Trailer.decode(trailer.encode()) == trailer
     result = Result(ErrorCode.CHECKSUM_MISMATCH, "layer 3")
     assert Result.decode(result.encode()) == result
-    hello = Hello("ucx", 7, b"\x00addr")
+    hello = Hello("ucx", 7, ("crc32c", "crc32"), b"\x00addr")
     assert Hello.decode(hello.encode()) == hello
+    header = TransferHeader.for_layout("t", LAYOUT, 5, "f")
+    assert header.checksum == "crc32"
+    with_crc32c = TransferHeader("t", "f", 5, 30, 3, 64, 16, "float32", "crc32c")
+    assert TransferHeader.decode(with_crc32c.encode()).checksum == "crc32c"
 
 
 def test_malformed_bodies_raise_protocol_error() -> None:
@@ -107,8 +116,19 @@ def test_frame_framing_roundtrip() -> None:
 
 def test_checksums() -> None:
     a, b = np.arange(100, dtype=np.uint8), np.arange(50, dtype=np.uint8)
-    assert crc_of([a, b]) == zlib.crc32(a.tobytes() + b.tobytes())
-    assert digest([1, 2]) != digest([2, 1])
+    assert checksum.compute("crc32", [a, b]) == zlib.crc32(a.tobytes() + b.tobytes())
+    assert digest([1, 2], "crc32") != digest([2, 1], "crc32")
+    assert "crc32" in checksum.supported()
+    assert checksum.choose(["crc32"]) == "crc32"
+    assert checksum.choose([]) == "crc32"  # an old peer: the always-available default
+    assert checksum.choose(["crc32c", "crc32"], preferences=["crc32"]) == "crc32"
+
+
+def test_crc32c_when_available() -> None:
+    pytest.importorskip("crc32c")
+    a = np.frombuffer(b"123456789", dtype=np.uint8)
+    assert checksum.compute("crc32c", [a[:4], a[4:]]) == 0xE3069283  # the standard check value
+    assert checksum.choose(["crc32c", "crc32"]) == checksum.supported()[0]
 
 
 def test_error_codes_map_to_exceptions() -> None:
@@ -125,8 +145,8 @@ def test_block_runs() -> None:
 
 
 def test_fault_injector_from_env_and_tamper() -> None:
-    inj = FaultInjector.from_env({"PDSERVE_KV_FAULTS": "corrupt:t1:3,corrupt:*:0"})
-    assert inj is not None and inj.corrupt == {"t1": 3, "*": 0}
+    inj = FaultInjector.from_env({"PDSERVE_KV_FAULTS": "corrupt:t1:3,corrupt:tamper-*:5,corrupt:*:0"})
+    assert inj is not None and inj.corrupt == {"t1": 3, "tamper-*": 5, "*": 0}
     assert FaultInjector.from_env({}) is None
     with pytest.raises(ValueError):
         FaultInjector.from_env({"PDSERVE_KV_FAULTS": "explode:t1"})
@@ -135,4 +155,6 @@ def test_fault_injector_from_env_and_tamper() -> None:
     damaged = inj.tamper("t1", 3, [part])[0]
     assert damaged is not part and damaged.sum() == 0xFF and part.sum() == 0
     assert inj.tamper("other", 0, [part])[0] is not part
-    assert inj.tampered == [("t1", 3), ("other", 0)]
+    assert inj.tamper("tamper-17", 5, [part])[0] is not part
+    assert inj.tamper("tamper-17", 4, [part])[0] is part
+    assert inj.tampered == [("t1", 3), ("other", 0), ("tamper-17", 5)]
