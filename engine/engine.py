@@ -63,8 +63,7 @@ class EngineStats:
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
         self.config = config
-        if config.num_threads:
-            torch.set_num_threads(config.num_threads)
+        self._apply_num_threads()
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
         model_config = self.loaded.config
         self.max_model_len = config.max_model_len or model_config.max_position_embeddings
@@ -160,6 +159,7 @@ class Engine:
         if plan.empty:
             return outputs
         self._steps += 1
+        self._apply_num_threads()
         finishing_prefill = [s.seq for s in plan.scheduled if s.samples and s.seq.prefill_only]
         hook = None
         if finishing_prefill and self.on_layer_written is not None:
@@ -198,6 +198,13 @@ class Engine:
         )
 
     # ---- internals -----------------------------------------------------------------------------
+    def _apply_num_threads(self) -> None:
+        """torch's intra-op thread count is process-wide: re-apply ours if anything else changed it
+        (on a small shared VM, one thread too many turns every parallel op into a scheduling wait)."""
+        n = self.config.num_threads
+        if n and torch.get_num_threads() != n:
+            torch.set_num_threads(n)
+
     def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in the engine")

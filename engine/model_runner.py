@@ -1,9 +1,12 @@
 """Run one scheduled step through the model: packed inputs in, logits of sampling requests out.
 
-Lifecycle per step: `execute(batch)` orders the batch (single-token decodes first, then prefill
-chunks), builds token ids, positions and the slot mapping of every packed token, builds the
-`AttentionMetadata`, runs the HF model once on the whole packed row with the paged attention
-function, and returns logits only for the requests whose last known token was computed.
+Lifecycle per step: `execute(batch)` orders the batch (single-token decodes first, sorted by context
+length, then prefill chunks), builds token ids, positions and the slot mapping of every packed token,
+builds the `AttentionMetadata` (decode groups of similar context length with their block tables and
+masks, prefill chunks with theirs: everything attention needs, once for all layers), runs the HF
+model once on the whole packed row with the paged attention function, and returns logits only for
+the requests whose last known token was computed. Batch bookkeeping is plain Python on ints, turned
+into a few tensors at the end; the gather workspace is kept across steps.
 """
 
 from __future__ import annotations
@@ -13,9 +16,29 @@ from typing import Callable
 import torch
 
 from engine import attention
-from engine.attention import AttentionMetadata, PrefillChunk
+from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, Workspace
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq
+from engine.sequence import Sequence
+
+DECODE_GROUP_KEYS = 4096
+"""Most padded key positions in one decode group. Small enough that a group's gathered K and V stay
+in cache between the gather and SDPA, large enough that per-group overhead stays small; groups of
+similar context length also cut padding to each group's own longest context."""
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
+    """seq.token_ids[start:end] without building the whole list."""
+    prompt, n = seq.prompt_token_ids, len(seq.prompt_token_ids)
+    if end <= n:
+        return prompt[start:end]
+    if start >= n:
+        return seq.output_token_ids[start - n : end - n]
+    return prompt[start:] + seq.output_token_ids[: end - n]
 
 
 class ModelRunner:
@@ -23,6 +46,10 @@ class ModelRunner:
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
+        self.block_size = kv_cache.layout.block_size
+        self._block_numel = self.block_size * kv_cache.layout.num_kv_heads * kv_cache.layout.head_dim
+        dtype = kv_cache.layout.dtype
+        self.workspace = Workspace(torch.empty(0, dtype=dtype, device=self.device), torch.empty(0, dtype=dtype, device=self.device))
         model.set_attn_implementation(attention.register())
 
     @torch.inference_mode()
@@ -31,68 +58,102 @@ class ModelRunner:
     ) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Returns the batch in packed order and the logits `[num_sampling, vocab]` of its sampling members
         (in the same relative order)."""
-        ordered = [s for s in batch if s.num_tokens == 1] + [s for s in batch if s.num_tokens > 1]
-        input_ids, positions, slots = self._pack(ordered)
-        meta = self._metadata(ordered, slots, on_layer_written)
-        offsets = torch.tensor([s.num_tokens for s in ordered]).cumsum(0) - 1
-        sampling_rows = offsets[torch.tensor([s.samples for s in ordered], dtype=torch.bool)]
+        decodes = sorted((s for s in batch if s.num_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
+        ordered = decodes + [s for s in batch if s.num_tokens > 1]
+        input_ids, positions, slots, sampling_rows = self._pack(ordered)
+        meta = self._metadata(ordered, len(decodes), slots, on_layer_written)
         out = self.model(
-            input_ids=input_ids.unsqueeze(0).to(self.device),
-            position_ids=positions.unsqueeze(0).to(self.device),
+            input_ids=input_ids.unsqueeze(0),
+            position_ids=positions.unsqueeze(0),
             use_cache=False,
-            logits_to_keep=sampling_rows.to(self.device),
+            logits_to_keep=sampling_rows,
             paged=meta,
         )
         return ordered, out.logits[0]
 
-    def _pack(self, ordered: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        bs = self.kv_cache.layout.block_size
+    def _pack(self, ordered: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        bs = self.block_size
         ids: list[int] = []
-        pos_parts, slot_parts = [], []
+        positions: list[int] = []
+        slots: list[int] = []
+        sampling_rows: list[int] = []
         for item in ordered:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            end = start + item.num_tokens
-            ids.extend(seq.token_ids[start:end])
-            pos = torch.arange(start, end)
-            table = torch.tensor(seq.block_ids, dtype=torch.long)
-            pos_parts.append(pos)
-            slot_parts.append(table[pos // bs] * bs + pos % bs)
-        return torch.tensor(ids, dtype=torch.long), torch.cat(pos_parts), torch.cat(slot_parts)
+            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
+            table = seq.block_ids
+            ids.extend(_tokens(seq, start, start + n))
+            positions.extend(range(start, start + n))
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            if item.samples:
+                sampling_rows.append(len(ids) - 1)
+        dev = self.device
+        return (
+            torch.tensor(ids, dtype=torch.long, device=dev),
+            torch.tensor(positions, dtype=torch.long, device=dev),
+            torch.tensor(slots, dtype=torch.long, device=dev),
+            torch.tensor(sampling_rows, dtype=torch.long, device=dev),
+        )
 
     def _metadata(
-        self, ordered: list[ScheduledSeq], slots: torch.Tensor, on_layer_written: Callable[[int], None] | None
+        self,
+        ordered: list[ScheduledSeq],
+        num_decodes: int,
+        slots: torch.Tensor,
+        on_layer_written: Callable[[int], None] | None,
     ) -> AttentionMetadata:
-        bs = self.kv_cache.layout.block_size
-        decodes = [s for s in ordered if s.num_tokens == 1]
+        groups = self._decode_groups(ordered[:num_decodes])
         prefills: list[PrefillChunk] = []
-        start = len(decodes)
-        for item in ordered[len(decodes):]:
-            ctx = item.seq.num_computed_tokens
-            table = torch.tensor(item.seq.block_ids[: -(-(ctx + item.num_tokens) // bs)], dtype=torch.long)
-            prefills.append(PrefillChunk(start, item.num_tokens, ctx, table.to(self.device)))
-            start += item.num_tokens
-        tables, lens, mask = self._decode_tables(decodes)
+        start = num_decodes
+        most_blocks = max((g.block_table.numel() for g in groups), default=0)
+        for item in ordered[num_decodes:]:
+            ctx, n = item.seq.num_computed_tokens, item.num_tokens
+            num_blocks = _cdiv(ctx + n, self.block_size)
+            table = torch.tensor(item.seq.block_ids[:num_blocks], dtype=torch.long, device=self.device)
+            mask = None
+            if ctx:
+                rows = torch.arange(ctx, ctx + n, device=self.device).unsqueeze(1)
+                mask = torch.arange(ctx + n, device=self.device).unsqueeze(0) <= rows
+                most_blocks = max(most_blocks, num_blocks)
+            prefills.append(PrefillChunk(start, n, ctx, table, mask))
+            start += n
+        self._reserve(most_blocks)
         return AttentionMetadata(
             kv_cache=self.kv_cache,
-            slot_mapping=slots.to(self.device),
-            num_decode_tokens=len(decodes),
-            decode_block_tables=tables,
-            decode_context_lens=lens,
-            decode_key_mask=mask,
+            slot_mapping=slots,
+            num_decode_tokens=num_decodes,
+            decode_groups=groups,
             prefills=prefills,
+            workspace=self.workspace,
             on_layer_written=on_layer_written,
         )
 
-    def _decode_tables(self, decodes: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-        if not decodes:
-            empty = torch.zeros((0, 1), dtype=torch.long, device=self.device)
-            return empty, torch.zeros(0, dtype=torch.long, device=self.device), None
-        bs = self.kv_cache.layout.block_size
-        lens = torch.tensor([s.seq.num_computed_tokens + 1 for s in decodes], dtype=torch.long)
-        width = int(-(-lens.max().item() // bs))
-        tables = torch.zeros((len(decodes), width), dtype=torch.long)
-        for row, item in enumerate(decodes):
-            blocks = item.seq.block_ids[:width]
-            tables[row, : len(blocks)] = torch.tensor(blocks, dtype=torch.long)
-        mask = (torch.arange(width * bs).unsqueeze(0) < lens.unsqueeze(1)).view(len(decodes), 1, 1, -1)
-        return tables.to(self.device), lens.to(self.device), mask.to(self.device)
+    def _decode_groups(self, decodes: list[ScheduledSeq]) -> list[DecodeGroup]:
+        """Split decodes (sorted by context length) into groups of at most DECODE_GROUP_KEYS padded keys."""
+        bs = self.block_size
+        lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        groups: list[DecodeGroup] = []
+        i = 0
+        while i < len(decodes):
+            j = i + 1
+            while j < len(decodes) and (j + 1 - i) * _cdiv(lens[j], bs) * bs <= DECODE_GROUP_KEYS:
+                j += 1
+            width = _cdiv(lens[j - 1], bs)
+            table: list[int] = []
+            for item in decodes[i:j]:
+                blocks = item.seq.block_ids[:width]
+                table.extend(blocks)
+                table.extend([0] * (width - len(blocks)))
+            group_lens = lens[i:j]
+            mask = None
+            if any(n != width * bs for n in group_lens):
+                valid = torch.tensor(group_lens, device=self.device).unsqueeze(1)
+                mask = (torch.arange(width * bs, device=self.device).unsqueeze(0) < valid).view(j - i, 1, 1, -1)
+            groups.append(DecodeGroup(i, j - i, width, torch.tensor(table, dtype=torch.long, device=self.device), mask))
+            i = j
+        return groups
+
+    def _reserve(self, num_blocks: int) -> None:
+        need = num_blocks * self._block_numel
+        if self.workspace.key.numel() < need:
+            like = self.workspace.key
+            self.workspace.key = torch.empty(need, dtype=like.dtype, device=like.device)
+            self.workspace.value = torch.empty(need, dtype=like.dtype, device=like.device)

@@ -1,0 +1,81 @@
+"""Shared bits of the experiments: where results go, what the machine looked like, JSON output."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parents[2]
+RESULTS = REPO / "bench" / "results"
+log = logging.getLogger("bench.experiments")
+
+
+def setup_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+
+def loadavg() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def machine() -> dict[str, Any]:
+    """Where and when: CPUs, model name, versions, the load average (other work on the box)."""
+    import torch
+
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "cpu_model": _cpu_model(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "loadavg_start": loadavg(),
+        "started_unix": int(time.time()),
+        "git_commit": _git_commit(),
+    }
+    return info
+
+
+def finish(info: dict[str, Any], started: float) -> dict[str, Any]:
+    info["loadavg_end"] = loadavg()
+    info["duration_s"] = round(time.time() - started, 1)
+    return info
+
+
+def command_line() -> str:
+    module = sys.modules["__main__"].__spec__.name if getattr(sys.modules["__main__"], "__spec__", None) else sys.argv[0]
+    return " ".join(["python", "-m", module, *map(shlex.quote, sys.argv[1:])])
+
+
+def save(name: str, report: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    path.write_text(json.dumps(report, indent=1) + "\n")
+    log.info("wrote %s", path)
+    return path
+
+
+def _cpu_model() -> str | None:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or None
+
+
+def _git_commit() -> str | None:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):
+        return None
