@@ -28,8 +28,8 @@ rotating method), so load from other work on the machine spreads over all of the
 ucxx asyncio variants busy-wait even when idle, so they run alone afterwards. Each figure is the
 best of --repeats rounds after one warm-up round (median reported too); GB/s = 1e9 bytes/s.
 
-`measure_ttft_with_streaming` is the hook for the TTFT experiment (layer-wise streaming overlap
-with a real prefill); it belongs to the prefill worker and is not implemented here.
+`--ttft` also runs bench/experiments/kv_transfer.py for 512-token prompts: TTFT with layer-wise
+streaming on vs off through real prefill and decode workers.
 """
 
 from __future__ import annotations
@@ -533,15 +533,6 @@ def bench_protocol(config: ProtocolConfig, tokens: list[int], repeats: int) -> d
 # --- TTFT hook -------------------------------------------------------------------------------
 
 
-def measure_ttft_with_streaming(tokens: list[int], transport: str) -> dict[str, Any] | None:
-    """Hook for the TTFT experiment: prefill on a prefill worker with layer-wise KV streaming
-    vs. sending all layers after the forward, same prompts, TTFT measured at the decode side.
-
-    Owned by the prefill worker (it needs a running engine); return its JSON section here and
-    `main` stores it under "ttft_streaming". Returns None while not implemented."""
-    return None
-
-
 # --- driver ----------------------------------------------------------------------------------
 
 
@@ -626,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="socket, ucx_raw and the default protocol only; 3 rounds")
-    parser.add_argument("--ttft", action="store_true", help="also run the TTFT streaming hook")
+    parser.add_argument("--ttft", action="store_true", help="also measure TTFT with layer-wise streaming on vs off (512-token prompts, real workers)")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     repeats = 3 if args.quick else args.repeats
@@ -674,7 +665,12 @@ def main(argv: list[str] | None = None) -> int:
     }
     report["target"]["met"] = bool(report["target"]["ucx_over_socket"] and report["target"]["ucx_over_socket"] >= 1.0)
     if args.ttft:
-        report["ttft_streaming"] = measure_ttft_with_streaming(tokens, "ucx") or {"status": "not implemented (prefill worker)"}
+        # TTFT with layer-wise streaming on vs off needs real workers: bench/experiments/kv_transfer.py
+        # runs it (512-token prompts here) and writes bench/results/kv_transfer.json.
+        from bench.experiments import kv_transfer as ttft_experiment
+
+        ttft_experiment.main(["--lengths", "512", "--no-raw"])
+        report["ttft_streaming"] = "bench/results/kv_transfer.json"
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
     log.info("wrote %s", args.out)
