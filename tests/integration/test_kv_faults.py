@@ -8,7 +8,6 @@ import signal
 import time
 
 import grpc
-import pytest
 import requests
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
