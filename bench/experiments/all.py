@@ -23,7 +23,7 @@ EXPERIMENTS = ("static_vs_continuous", "prefill_interference", "goodput", "kv_tr
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.experiments.all", description=__doc__.splitlines()[0])
     p.add_argument("--only", nargs="+", choices=EXPERIMENTS, default=list(EXPERIMENTS))
-    p.add_argument("--quick", action="store_true", help="each experiment's small smoke run")
+    p.add_argument("--quick", action="store_true", help="each experiment's small smoke run, into bench/results/quick/ (docs untouched)")
     p.add_argument("--no-docs", action="store_true", help="do not rewrite docs/benchmarks.md")
     args = p.parse_args(argv)
     common.setup_logging()
@@ -38,9 +38,11 @@ def main(argv: list[str] | None = None) -> int:
         if rc:
             failed.append(name)
     summary["loadavg_end"] = common.loadavg()
+    if args.quick:
+        common.use_quick_results()
     common.RESULTS.mkdir(parents=True, exist_ok=True)
     (common.RESULTS / "all.json").write_text(json.dumps(summary, indent=1) + "\n")
-    if not args.no_docs:
+    if not (args.no_docs or args.quick):  # smoke numbers never go into the docs
         report.main([])
     if failed:
         common.log.error("failed: %s", ", ".join(failed))

@@ -18,6 +18,14 @@ RESULTS = REPO / "bench" / "results"
 log = logging.getLogger("bench.experiments")
 
 
+def use_quick_results() -> None:
+    """--quick runs write into bench/results/quick/ (git-ignored), never over the real results."""
+    global RESULTS
+    RESULTS = REPO / "bench" / "results" / "quick"
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    (RESULTS / ".gitignore").write_text("*\n")
+
+
 def setup_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
 

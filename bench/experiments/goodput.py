@@ -107,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 rates x 6 requests, small lengths")
     args = p.parse_args(argv)
     if args.quick:
+        common.use_quick_results()
         args.rates, args.num_prompts, args.chat_scale = [0.5, 2.0], 6, 0.25
     common.setup_logging()
     started = time.time()

@@ -151,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="no new run: recompute the summary and plots from the saved prefill_interference_<setup>.json")
     args = p.parse_args(argv)
     if args.quick:
+        common.use_quick_results()
         args.steady, args.burst_size, args.burst_prompt_len, args.burst_at, args.tail_s, args.kv_cache_mb = 4, 2, 256, 2.0, 3.0, 256
     common.setup_logging()
     started = time.time()

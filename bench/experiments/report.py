@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -125,17 +126,23 @@ def section_kv(r: dict[str, Any] | None) -> list[str]:
     lines = ["### KV transfer cost", ""]
     if r is None:
         return lines + ["Not run yet: `python -m bench.experiments.kv_transfer`.", ""]
-    lines += ["One prefill worker (core 0) and one decode worker (core 1), one torch thread each; the script plays the router "
-              "so it can read both sides. *prefill alone*: `Prefill` with no destination; *exposed*: the prefill worker's time "
-              "from the end of its forward to the decode worker's ack; *added*: (Prefill call -> first token streamed by the "
-              "decode worker) minus prefill alone. Medians of the repeats; fresh random prompts (no prefix-cache hits)."]
+    lines += ["One prefill worker P (core 0) and one decode worker D (core 1), one torch thread each; the script plays the router "
+              "so it can read both sides. *prefill alone*: `Prefill` with no destination (separate requests); *compute*: P's "
+              "prefill with the transfer running; *exposed*: P's time from the end of its forward to D's ack; *forward end -> "
+              "first token*: from the end of P's forward to D streaming the first token, same request (exposed transfer + D's "
+              "commit + the stream hop). Medians of the repeats; fresh random prompts (no prefix-cache hits). Prefill times of "
+              "separate requests vary by tens of percent on this shared machine; the last two columns are differences within "
+              "one request and are the ones to read."]
     lines += header(r)
-    lines += ["| variant | prompt tokens | KV MB | prefill alone (ms) | compute with transfer (ms) | exposed (ms) | added before decode (ms) |",
+    lines += ["| variant | prompt tokens | KV MB | prefill alone (ms) | compute with transfer (ms) | exposed (ms) | forward end -> first token (ms) |",
               "|---|---:|---:|---:|---:|---:|---:|"]
     for res in r["results"]:
         for n, row in res["by_length"].items():
+            after = row.get("after_forward_s")
+            if after is None:
+                after = statistics.median(x["to_decode_s"] - x["compute_s"] for x in row["runs"])
             lines.append(f"| {res['variant']} | {n} | {row['kv_bytes'] / 1e6:.1f} | {fmt(row['prefill_only_s'] * 1000, 0)} | "
-                         f"{fmt(row['compute_s'] * 1000, 0)} | {fmt(row['exposed_s'] * 1000, 0)} | {fmt(row['overhead_s'] * 1000, 0)} |")
+                         f"{fmt(row['compute_s'] * 1000, 0)} | {fmt(row['exposed_s'] * 1000, 0)} | {fmt(after * 1000, 0)} |")
     raw = r.get("raw_bandwidth") or {}
     if raw and "error" not in raw:
         names = [k for k in ("memcpy", "tcp", "ucx") if k in raw]
@@ -172,7 +179,7 @@ def render() -> str:
         "OpenAI-compatible server (`--url http://HOST:PORT/v1`, streaming completions or chat over SSE, random-word "
         "prompts, `ignore_eos`); Poisson/gamma arrivals (`--request-rate R [R ...]`, `--burstiness`) or a concurrency cap "
         "(`--max-concurrency`); random, chat-like (`--dataset chat`), shared-prefix (`--dataset prefix`) or replayed "
-        "(`--dataset file`) workloads; long-prompt bursts (`--burst-at S --burst-size N --burst-prompt-len L`); "
+        "(`--dataset file`) workloads; long-prompt bursts (`--burst-at S --burst-size N --burst-prompt-len L`, `--stop-after-bursts S`); "
         "goodput SLOs (`--goodput ttft:MS tpot:MS e2el:MS`); JSON (`--out`) with CDF, ITL-timeline and goodput plots. "
         "Metrics follow vLLM's benchmark_serving: TTFT = first token - send; E2E = end of stream - send; "
         "TPOT = (E2E - TTFT) / (output tokens - 1); ITL = every gap between consecutive streamed chunks; goodput = "

@@ -101,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-served", action="store_true", help="offline comparison only")
     p.add_argument("--quick", action="store_true", help="6 tiny requests")
     args = p.parse_args(argv)
+    if args.quick:
+        common.use_quick_results()
     common.setup_logging()
     started = time.time()
     info = common.machine()
