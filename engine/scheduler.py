@@ -102,15 +102,19 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
+        admitted_whole = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self.blocks.admit(seq, budget if chunked else seq.num_tokens)
             if n is None:
                 break
-            if n > budget and out.scheduled:  # without chunking a prompt runs whole, alone if need be
+            if n > budget and admitted_whole:
+                # without chunking a prompt runs whole: the first one of a step may overrun the budget
+                # (so no prompt starves behind running decodes), later ones wait for a step they fit in
                 self.blocks.free(seq)
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
+            admitted_whole = not chunked
             self.waiting.popleft()
             seq.state = RequestState.RUNNING
             self.running.append(seq)

@@ -126,8 +126,10 @@ class WorkerPool:
             try:
                 worker.stats = await worker.stub.Stats(pb.StatsRequest(), timeout=timeout_s)
                 worker.healthy, worker.draining = True, worker.stats.draining
-            except grpc.aio.AioRpcError:
-                worker.healthy = False
+            except grpc.aio.AioRpcError as exc:
+                # a worker in the middle of a long step answers late: busy, not gone
+                if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    worker.healthy = False
 
     def has_role(self, role: str) -> bool:
         return bool(self.candidates(role))

@@ -264,7 +264,9 @@ class RouterService(pb_grpc.RouterServicer):
         timings = state.timings
         call = DecodeStream(decoder.stub.Decode(request, timeout=state.remaining()))
         try:
-            first = await asyncio.wait_for(call.read(), timeout=min(self.settings.rpc_timeout_s, state.remaining()))
+            # with local prefill the first message is the first token: allow the whole deadline
+            wait = state.remaining() if local else min(self.settings.rpc_timeout_s, state.remaining())
+            first = await asyncio.wait_for(call.read(), timeout=wait)
         except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
             call.cancel()
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
@@ -358,8 +360,6 @@ class RouterService(pb_grpc.RouterServicer):
 
     def _on_finished(self, state: "_Progress", fin: pb.DecodeFinished) -> pb.GenerateResponse:
         state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
-        if fin.timings.kv_transfer_s:
-            state.timings.kv_transfer_s = max(state.timings.kv_transfer_s, fin.timings.kv_transfer_s)
         tail = pb.TokenChunk(text=state.detok.finish().text) if state.detok is not None else pb.TokenChunk()
         response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics)
         if fin.HasField("error"):

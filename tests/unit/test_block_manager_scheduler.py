@@ -73,22 +73,21 @@ def test_scheduler_budget_chunks_and_decode_first():
     assert plan.scheduled[0].samples and plan.scheduled[1].samples
 
 
-def test_scheduler_without_chunking_runs_long_prompt_alone():
+def test_scheduler_without_chunking_runs_prompts_whole_and_never_starves_them():
     bm = BlockManager(num_blocks=64, block_size=4)
     sched = Scheduler(SchedulerConfig(max_num_batched_tokens=10, enable_chunked_prefill=False), bm)
     sched.add(seq("a", 3))
     sched.add(seq("b", 25))
+    sched.add(seq("c", 25))
     plan = sched.schedule()
-    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 3)]
+    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 3)]  # b does not fit beside a
     plan.scheduled[0].seq.num_computed_tokens = 3
     plan.scheduled[0].seq.output_token_ids.append(7)
     plan = sched.schedule()
-    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 1)]  # b does not fit beside it
-    plan.scheduled[0].seq.num_computed_tokens += 1
-    sched.remove(plan.scheduled[0].seq)
-    bm.free(plan.scheduled[0].seq)
-    plan = sched.schedule()
-    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("b", 25)]
+    # a decodes; the oldest waiting prompt runs whole beside it (over budget) instead of starving,
+    # the next long prompt waits for another step
+    assert [(s.seq.request_id, s.num_tokens) for s in plan.scheduled] == [("a", 1), ("b", 25)]
+    assert [s.request_id for s in sched.waiting] == ["c"]
 
 
 def test_scheduler_preempts_latest_when_blocks_run_out():
