@@ -21,7 +21,7 @@ from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
 
-DECODE_GROUP_KEYS = 4096
+DECODE_GROUP_KEYS = 2048
 """Most padded key positions in one decode group. Small enough that a group's gathered K and V stay
 in cache between the gather and SDPA, large enough that per-group overhead stays small; groups of
 similar context length also cut padding to each group's own longest context."""

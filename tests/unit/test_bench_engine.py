@@ -41,6 +41,7 @@ def test_quick_bench_writes_every_figure(tmp_path):
 
     for section in ("engine", "hf_static", "hf_continuous", "matmul_ceiling", "engine_decode"):
         assert data[section]["tokens_per_s"] > 0 and data[section]["tokens_per_cpu_s"] > 0, section
+    assert data["prefill_ceiling"]["tokens_per_s"] > 0
     assert data["engine"]["useful_tokens"] == data["settings"]["total_output_tokens"] > 0
     assert data["hf_static"]["useful_tokens"] == data["hf_continuous"]["useful_tokens"] > 0
     assert data["engine_decode"]["batch"] == data["matmul_ceiling"]["batch"] == 8
@@ -53,7 +54,7 @@ def test_quick_bench_writes_every_figure(tmp_path):
     assert memory["peak_rss_bytes"] > 0 and memory["kv_pool_bytes"] > 0 and memory["kv_pool_blocks"] > 0
     machine = data["machine"]
     assert machine["torch_threads"] == 1 == data["settings"]["threads"]
-    assert set(machine["phases"]) == {"engine", "engine_decode", "hf_static", "hf_continuous", "matmul_ceiling"}
+    assert set(machine["phases"]) == {"engine", "engine_decode", "hf_static", "hf_continuous", "matmul_ceiling", "prefill_ceiling"}
     assert machine["load_note"]
     assert data["settings"]["quick"] is True and data["settings"]["num_requests"] == 8
     assert "summary" not in data  # the summary goes to stdout only
