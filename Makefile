@@ -1,7 +1,7 @@
 # Newcomer entry points; see README.md.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow demo proto bench
+.PHONY: setup test test-slow lint demo proto bench
 
 setup:
 	bash scripts/setup.sh
@@ -11,6 +11,9 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+lint:
+	.venv/bin/ruff check .
 
 # pdserve serve on the demo model (embedded Ray, router + prefill + decode actors), one gRPC and
 # one OpenAI HTTP request, then SIGTERM: see scripts/demo.sh

@@ -44,10 +44,10 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator
 
 import torch
 from tqdm import tqdm
@@ -91,7 +91,7 @@ class Workload:
     prompts: list[list[int]]
     output_lens: list[int]
 
-    def subset(self, n: int) -> "Workload":
+    def subset(self, n: int) -> Workload:
         return Workload(self.prompts[:n], self.output_lens[:n])
 
     @property

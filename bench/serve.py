@@ -350,7 +350,7 @@ class OpenAIBackend:
                 rec.end_s = clock()
                 if rec.error is None and not done:
                     rec.error = "stream ended without [DONE]"
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, aiohttp.ClientError) as exc:
             rec.end_s = clock()
             rec.error = f"{type(exc).__name__}: {exc}"
             return

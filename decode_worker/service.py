@@ -25,11 +25,16 @@ import grpc
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from kvtransfer import KVReceiver, KVTransferError
+from kvtransfer.faults import FaultPoint, reached
 from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+# Test hook (off unless PDSERVE_TEST_FAULT_POINT is set): stall or mark this process before or after a
+# request's KV transfer, or after it streamed N tokens, so a test can kill or stop it exactly there.
+_HOOK = FaultPoint.from_env()
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
@@ -76,7 +81,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     async def _remote(self, request_id, request, params, context) -> AsyncIterator[pb.DecodeResponse]:
         started = time.monotonic()
         prompt = list(request.token_ids)
-        blocks = await self._reserve(request_id, prompt, params, context)
+        try:
+            blocks = await self._reserve(request_id, prompt, params, context)
+        except asyncio.CancelledError:  # the reservation may land after the cancel: undo it
+            await self.engine.abort(request_id)
+            raise
         admitted = time.monotonic()
         stream = self.engine.open_stream(request_id)
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
@@ -98,6 +107,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                     admission_wait_s=admitted - started,
                 ),
             )
+            reached(_HOOK, "decode.before_transfer", request_id)
             try:
                 received = await expected
             except KVTransferError as exc:
@@ -107,6 +117,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             kv_done = time.monotonic()
             await self.engine.call(lambda: self.engine.engine.commit_remote_kv(request_id, received.first_token))
             committed = True
+            reached(_HOOK, "decode.after_transfer", request_id)
             timings = pb.StageTimings(decode_admission_s=admitted - started, kv_transfer_s=kv_done - admitted)
             outputs = self.engine.generate_remote(request_id, stream)
             async for response in self._stream(request_id, outputs, started, context, timings):
@@ -139,6 +150,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 usage.completion_tokens += len(out.new_token_ids)
                 if out.new_token_ids:
                     yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
+                    reached(_HOOK, "decode.after_tokens", request_id, usage.completion_tokens)
                 if out.finished:
                     t = timings or pb.StageTimings()
                     t.e2e_s = time.monotonic() - started

@@ -13,6 +13,10 @@ Lifecycle of a worker actor (created by the controller in its own placement grou
   `stop()`   drain and stop (shutdown; the router has already stopped admitting)
 The controller kills the actor and removes its placement group afterwards.
 
+Security (deploy/security.py) travels inside `config.security`: each actor resolves the shared
+secret itself (YAML value, `shared_secret_file` on its node, or PDSERVE_SHARED_SECRET in the
+environment Ray gave it) and reads the TLS files on its node, so the secret need not be pickled.
+
 The router actor: `start()`, `pool_view()` (its registry: who is registered and healthy),
 `latency_buckets()` (TTFT / ITL histograms for the autoscaler), `summary()`, `drain()` (stop
 admitting, wait for requests in flight), `stop()`.

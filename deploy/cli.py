@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import uuid
 
@@ -37,6 +38,10 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="no chat template: tokenize the prompt as is")
     gen.add_argument("--json", action="store_true", help="print one JSON object (text, token_ids, prompt_token_ids)")
     gen.add_argument("--timeout", type=float, default=300.0)
+    gen.add_argument("--tls", action="store_true", help="--router serves TLS (verified against the system roots)")
+    gen.add_argument("--tls-ca-file", default="", help="--router serves TLS: verify its certificate against this CA (PEM)")
+    gen.add_argument("--tls-server-name", default="", help="name expected in the router's certificate (default: the host dialed)")
+    gen.add_argument("--api-key", default=os.environ.get("PDSERVE_API_KEY", ""), help="API key for --router (default: $PDSERVE_API_KEY)")
 
     model = sub.add_parser("model", help="model utilities")
     model_sub = model.add_subparsers(dest="model_command", required=True)
@@ -83,7 +88,8 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             from router.client import generate_via_router
 
-            result = generate_via_router(args.router, args.prompt, params, raw=args.raw, timeout=args.timeout)
+            result = generate_via_router(args.router, args.prompt, params, raw=args.raw, timeout=args.timeout, tls=args.tls,
+                                         tls_ca_file=args.tls_ca_file, tls_server_name=args.tls_server_name, api_key=args.api_key)
     except EngineError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

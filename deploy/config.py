@@ -9,6 +9,7 @@ re-reads the file. Field reference: docs/configuration.md.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -31,11 +32,20 @@ class KVTransferConfig:
     layerwise: bool = True
     """Ship each layer's KV as soon as it is computed (overlaps transfer with the remaining layers)."""
     timeout_s: float = 30.0
+    faults: str = ""
+    """Test hook, off by default: KV faults prefill workers inject (kvtransfer/faults.py syntax)."""
 
     def validate(self, prefix: str) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"{prefix}.transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
         _positive_float(f"{prefix}.timeout_s", self.timeout_s)
+        if self.faults:
+            from kvtransfer.faults import FaultInjector
+
+            try:
+                FaultInjector.parse(self.faults)
+            except (ValueError, AttributeError) as exc:
+                raise ConfigError(f"{prefix}.faults", str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -189,6 +199,61 @@ class AutoscalerConfig:
         _positive_float(f"{prefix}.drain_timeout_s", self.drain_timeout_s)
 
 
+MIN_SECRET_CHARS = 16
+
+
+@dataclass(frozen=True)
+class SecurityConfig:
+    """Shared secret on internal RPCs and the KV handshake, and optional TLS (docs/security.md)."""
+
+    shared_secret: str = field(default="", repr=False)
+    """Secret every router<->worker RPC and every KV transfer header must prove; empty: none.
+    Falls back to shared_secret_file, then to the environment variable PDSERVE_SHARED_SECRET."""
+    shared_secret_file: str = ""
+    """File holding the secret (surrounding whitespace ignored), e.g. a mounted k8s Secret."""
+    tls_cert_file: str = ""
+    """PEM certificate (chain) of every gRPC server (router and workers) and of the HTTP server."""
+    tls_key_file: str = ""
+    """PEM private key of tls_cert_file; both or neither."""
+    tls_ca_file: str = ""
+    """PEM CA bundle internal clients verify the servers' certificate against; empty: system roots."""
+    tls_server_name: str = ""
+    """Name internal clients expect in the certificate, whatever address they dial; empty: the address's host."""
+
+    def validate(self, prefix: str) -> None:
+        for name in ("shared_secret", "shared_secret_file", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{prefix}.{name}", "must be a string")
+        if self.shared_secret and self.shared_secret_file:
+            raise ConfigError(f"{prefix}.shared_secret_file", "set shared_secret or shared_secret_file, not both")
+        self._validate_secret(prefix)
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
+            raise ConfigError(f"{prefix}.{missing}", "TLS needs both tls_cert_file and tls_key_file")
+        if (self.tls_ca_file or self.tls_server_name) and not self.tls_cert_file:
+            which = "tls_ca_file" if self.tls_ca_file else "tls_server_name"
+            raise ConfigError(f"{prefix}.{which}", "only meaningful with tls_cert_file and tls_key_file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
+            if getattr(self, name):
+                _pem_file(f"{prefix}.{name}", getattr(self, name))
+
+    def _validate_secret(self, prefix: str) -> None:
+        if self.shared_secret_file:
+            try:
+                secret = Path(self.shared_secret_file).read_text().strip()
+            except (OSError, UnicodeDecodeError) as exc:
+                raise ConfigError(f"{prefix}.shared_secret_file", f"cannot read {self.shared_secret_file}: {exc}") from None
+            where = f"{prefix}.shared_secret_file"
+        elif self.shared_secret:
+            secret, where = self.shared_secret, f"{prefix}.shared_secret"
+        else:
+            secret, where = os.environ.get("PDSERVE_SHARED_SECRET", ""), "PDSERVE_SHARED_SECRET"
+        if secret and len(secret) < MIN_SECRET_CHARS:
+            raise ConfigError(where, f"the secret must be at least {MIN_SECRET_CHARS} characters, got {len(secret)}")
+        if self.shared_secret_file and not secret:
+            raise ConfigError(where, f"{self.shared_secret_file} is empty")
+
+
 @dataclass(frozen=True)
 class PdserveConfig:
     model_name: str = "smollm2-135m"
@@ -198,6 +263,7 @@ class PdserveConfig:
     router: RouterConfig = field(default_factory=RouterConfig)
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
+    security: SecurityConfig = field(default_factory=SecurityConfig)
 
     def with_router_ports(self, grpc_port: int | None = None, http_port: int | None = None) -> PdserveConfig:
         """This config with the router's ports overridden (CLI flags); None keeps the configured port."""
@@ -238,10 +304,12 @@ def config_from_dict(data: dict[str, Any]) -> PdserveConfig:
     )
     pools.validate("pools")
     autoscaler = _build_autoscaler(_section(data, "autoscaler"))
+    security = _build(SecurityConfig, _section(data, "security"), "security")
     model_name = data.get("model_name", engine.model)
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError("model_name", "must be a non-empty string")
-    return PdserveConfig(model_name=model_name, engine=engine, kv_transfer=kv, router=router, pools=pools, autoscaler=autoscaler)
+    return PdserveConfig(model_name=model_name, engine=engine, kv_transfer=kv, router=router, pools=pools, autoscaler=autoscaler,
+                         security=security)
 
 
 def _build_autoscaler(data: dict) -> AutoscalerConfig:
@@ -298,6 +366,15 @@ def _custom_resources(name: str, value: Any) -> None:
 
 def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _pem_file(name: str, path: str) -> None:
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(name, f"cannot read {path}: {exc}") from None
+    if "-----BEGIN " not in text:
+        raise ConfigError(name, f"{path} is not a PEM file")
 
 
 def _positive_float(name: str, value: Any) -> None:

@@ -19,12 +19,14 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
+
+from deploy.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -54,13 +56,22 @@ class ServerControl:
             self.loop.call_soon_threadsafe(self.stop.set)
 
 
-def create_server(host: str, port: int, service_names: list[str]) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
-    """A grpc.aio server bound to host:port (0 = any free port), with health and reflection."""
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)])
+def create_server(
+    host: str, port: int, service_names: list[str], security: Security | None = None, protected: Sequence[str] = ()
+) -> tuple[grpc.aio.Server, int, health.aio.HealthServicer]:
+    """A grpc.aio server bound to host:port (0 = any free port), with health and reflection.
+
+    With `security`, the port is TLS when a certificate is configured, and calls to the services
+    in `protected` must carry the cluster secret (health and reflection always stay open)."""
+    security = security or Security()
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", 64 << 20), ("grpc.so_reuseport", 0)],
+        interceptors=security.server_interceptors(protected),
+    )
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], server)
-    bound = server.add_insecure_port(f"{host}:{port}")
+    bound = security.add_port(server, f"{host}:{port}")
     if bound == 0:
         raise OSError(f"cannot bind gRPC server to {host}:{port}")
     return server, bound, health_servicer
@@ -95,7 +106,7 @@ async def serve_until_signalled(
     await set_serving(health_servicer, service_names, False)
     try:
         await asyncio.wait_for(drain(grace_s), timeout=grace_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         log.warning("drain grace period over; stopping with requests in flight")
     await server.stop(grace=1.0)
 

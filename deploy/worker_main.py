@@ -1,7 +1,9 @@
 """Entry point shared by `python -m prefill_worker` and `python -m decode_worker`.
 
 Lifecycle: parse flags, load the YAML config once, build the engine (threads from the pool's CPU
-share), start the KV endpoint (decode: receiver; prefill: sender), start the gRPC server, print
+share), start the KV endpoint (decode: receiver; prefill: sender; both sign or check transfer
+headers with the cluster secret when one is set), start the gRPC server (TLS and the secret check
+of deploy/security.py when configured), print
 the ready line, optionally register with the router and heartbeat, serve until SIGTERM, drain, stop.
 Under Ray (deploy/actors.py) the same `_serve` runs inside an actor with a `ServerControl`: the
 ready info goes to the actor instead of stdout and the actor, not a signal, stops it.
@@ -17,6 +19,7 @@ import os
 import uuid
 
 from deploy.config import PdserveConfig, load_config
+from deploy.security import Security
 from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from engine import Engine
 from engine.async_engine import AsyncEngine
@@ -56,10 +59,10 @@ def main(role: str, argv: list[str] | None = None) -> int:
 
 async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
                  control: ServerControl | None = None) -> None:
+    from kvtransfer import fingerprint
     from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
-    from kvtransfer import fingerprint
-
+    security = Security.from_config(config.security)
     engine = build_engine(config, role)
     kv = config.kv_transfer
     model_fingerprint = fingerprint(engine.engine.layout, engine.engine.loaded.config.to_json_string())
@@ -67,20 +70,20 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
         from decode_worker.service import DecodeService
         from kvtransfer import KVReceiver
 
-        receiver = KVReceiver(engine.engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port)
+        receiver = KVReceiver(engine.engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
         await receiver.start()
         service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s)
         service_name = "pdserve.v1.DecodeWorker"
         closers = [receiver.close]
     else:
-        from kvtransfer import KVSender
+        from kvtransfer import FaultInjector, KVSender
         from prefill_worker.service import PrefillService
 
-        sender = KVSender(ack_timeout=kv.timeout_s)
+        sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret)
         service = PrefillService(engine, sender, model_fingerprint, worker_id, layerwise=kv.layerwise, ack_timeout_s=kv.timeout_s)
         service_name = "pdserve.v1.PrefillWorker"
         closers = [lambda: asyncio.to_thread(sender.close)]
-    server, port, health_servicer = create_server(args.host, args.port, [service_name])
+    server, port, health_servicer = create_server(args.host, args.port, [service_name], security, protected=[service_name])
     if role == "decode":
         pb_grpc.add_DecodeWorkerServicer_to_server(service, server)
     else:
@@ -94,7 +97,7 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
     if args.router:
         from router.registry_client import RegistrationLoop
 
-        registration = RegistrationLoop(args.router, role, worker_id, f"{args.host}:{port}", service, config.model_name)
+        registration = RegistrationLoop(args.router, role, worker_id, f"{args.host}:{port}", service, config.model_name, security)
         registration.start()
     if control is None:
         announce_ready(**ready)

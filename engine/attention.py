@@ -16,8 +16,8 @@ ModelRunner; per layer a decode group costs two `index_select`s and one SDPA cal
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F

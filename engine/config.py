@@ -60,7 +60,7 @@ class EngineConfig:
         positive("num_threads", self.num_threads, allow_none=True)
 
     @classmethod
-    def from_dict(cls, data: dict, prefix: str = "engine") -> "EngineConfig":
+    def from_dict(cls, data: dict, prefix: str = "engine") -> EngineConfig:
         known = {f.name for f in fields(cls)}
         for key in data:
             if key not in known:

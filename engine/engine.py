@@ -13,8 +13,8 @@ The engine is single-threaded: use `AsyncEngine` to drive it from asyncio.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

@@ -11,7 +11,7 @@ into a few tensors at the end; the gather workspace is kept across steps.
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

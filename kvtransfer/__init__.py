@@ -16,6 +16,7 @@ Prefill worker (sender side); `send_layer` is thread-safe and never blocks, so t
 thread calls it right after each layer's forward::
 
     sender = KVSender()                         # owns an I/O thread with its event loop
+                                                # (both sides: secret=... to sign/check headers)
     xfer = sender.begin(endpoint, TransferHeader.for_layout(transfer_id, layout, n, fp))
     xfer.send_layer(layer, k, v)                # [n, kv_heads, head_dim] each, per layer
     xfer.finish(first_token_id)                 # returns a concurrent.futures.Future as well
@@ -23,11 +24,13 @@ thread calls it right after each layer's forward::
     sender.close()
 
 Failures raise `KVTransferError` subclasses (`FingerprintMismatch`, `ShapeMismatch`,
-`ChecksumMismatch`, `TransferTimeout`, `UnknownTransfer`, `TransferAborted`) on both sides;
+`ChecksumMismatch`, `TransferTimeout`, `UnknownTransfer`, `TransferAborted`,
+`AuthenticationFailed`) on both sides;
 `error.code` is an `ErrorCode` whose name maps onto proto `ERROR_CODE_KV_<NAME>`.
 """
 
 from kvtransfer.errors import (
+    AuthenticationFailed,
     ChecksumMismatch,
     ErrorCode,
     FingerprintMismatch,
@@ -46,6 +49,7 @@ from kvtransfer.transport.base import Channel, Listener, Transport, get_transpor
 from kvtransfer.wire import TransferHeader, fingerprint
 
 __all__ = [
+    "AuthenticationFailed",
     "Channel",
     "ChecksumMismatch",
     "ErrorCode",

@@ -22,6 +22,7 @@ class ErrorCode(IntEnum):
     UNKNOWN_TRANSFER = 5
     ABORTED = 6
     PROTOCOL = 7
+    UNAUTHENTICATED = 8
 
 
 class KVTransferError(Exception):
@@ -80,6 +81,12 @@ class ProtocolError(KVTransferError):
     code = ErrorCode.PROTOCOL
 
 
+class AuthenticationFailed(KVTransferError):
+    """The sender's header does not prove the cluster's shared secret; nothing was written."""
+
+    code = ErrorCode.UNAUTHENTICATED
+
+
 _BY_CODE: dict[ErrorCode, type[KVTransferError]] = {
     cls.code: cls
     for cls in (
@@ -90,6 +97,7 @@ _BY_CODE: dict[ErrorCode, type[KVTransferError]] = {
         UnknownTransfer,
         TransferAborted,
         ProtocolError,
+        AuthenticationFailed,
     )
 }
 

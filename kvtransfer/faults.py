@@ -1,13 +1,36 @@
-"""Test hooks that damage a transfer on purpose, to prove receivers reject bad KV.
+"""Test hooks that break things on purpose, to prove pdserve detects every failure and loses nothing.
 
-Lifecycle: a `FaultInjector` is given to a `KVSender` (or built from the environment variable
-`PDSERVE_KV_FAULTS` in a worker process started by a test). The sender asks it, per layer,
-whether to tamper with the bytes it is about to put on the wire; the checksum it announces is
-always the one of the untouched bytes, so the receiver sees exactly an in-flight corruption.
-Never enabled unless configured.
+Two kinds of hook live here, both off unless configured:
 
-`PDSERVE_KV_FAULTS` syntax: comma-separated `corrupt:<transfer id pattern>:<layer>` entries; a
-pattern is an exact transfer id or an fnmatch glob (`tamper-*`, `*`).
+* `FaultInjector` damages KV transfers. A `KVSender` is given one (built from the config field
+  `kv_transfer.faults`, else from the environment variable `PDSERVE_KV_FAULTS` of a worker
+  process started by a test). For every layer it is about to put on the wire the sender asks
+  `plan(transfer_id, layer)` what to do:
+
+      delay     sleep before sending the layer (the transfer still succeeds, later)
+      drop      never send this layer, the later ones or the trailer (the receiver times out)
+      truncate  send the layer's K and V cut to half their size (the receiver: shape error)
+      corrupt   flip one byte of the layer's K (the receiver: checksum error)
+      cut       close the connection before sending the layer (the receiver: connection error)
+
+  The checksum a sender announces is always the one of the untouched bytes, so the receiver
+  sees exactly what an in-flight fault would do.
+
+* `FaultPoint` stalls (or just marks) a worker process at a named point of a request's life, so
+  a test can SIGKILL / SIGSTOP it exactly there. Points: `prefill.before_transfer`,
+  `prefill.after_layer` (N = layer), `prefill.after_transfer`, `decode.before_transfer`,
+  `decode.after_transfer`, `decode.after_tokens` (N = tokens streamed). When a request reaches
+  its point the process logs `test hook: <action> at <point> ...` and, for `stall`, blocks the
+  calling thread for an hour. It fires once per process.
+
+Spec syntax (comma-separated entries; a pattern is an exact id or an fnmatch glob such as
+`tamper-*` or `*.0-*`):
+
+    PDSERVE_KV_FAULTS=<kind>:<transfer id pattern>:<layer>      delay: ...:<layer>:<milliseconds>
+    PDSERVE_TEST_FAULT_POINT=<point>:<N>:<request id pattern>[:stall|mark]   (N is 0 where unused)
+
+Transfer ids are `<decode request id>-<suffix>` and the router's decode request ids are
+`<client request id>.<attempt>`, so `corrupt:bad-*.0-*:7` damages only a request's first attempt.
 """
 
 from __future__ import annotations
@@ -16,56 +39,200 @@ import fnmatch
 import logging
 import os
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 ENV_VAR = "PDSERVE_KV_FAULTS"
+POINT_ENV_VAR = "PDSERVE_TEST_FAULT_POINT"
+LEGACY_PAUSE_ENV_VAR = "PDSERVE_TEST_PAUSE_AFTER_LAYER"  # = prefill.after_layer:<N>:*:stall
+
+
+class FaultKind(StrEnum):
+    DELAY = "delay"
+    DROP = "drop"
+    TRUNCATE = "truncate"
+    CORRUPT = "corrupt"
+    CUT = "cut"
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One configured fault: `kind` hits layer `layer` of transfers whose id matches `pattern`."""
+
+    kind: FaultKind
+    pattern: str
+    layer: int
+    delay_ms: int = 0
+
+    @classmethod
+    def parse(cls, entry: str) -> Fault:
+        kind, _, rest = entry.strip().partition(":")
+        try:
+            fault_kind = FaultKind(kind)
+        except ValueError:
+            raise ValueError(f"bad {ENV_VAR} entry {entry!r}: kind must be one of {', '.join(FaultKind)}") from None
+        delay = ""
+        if fault_kind == FaultKind.DELAY:
+            rest, _, delay = rest.rpartition(":")
+        pattern, _, layer = rest.rpartition(":")
+        if not pattern or not layer.isdigit() or (fault_kind == FaultKind.DELAY and not delay.isdigit()):
+            usage = "delay:<pattern>:<layer>:<ms>" if fault_kind == FaultKind.DELAY else f"{kind}:<pattern>:<layer>"
+            raise ValueError(f"bad {ENV_VAR} entry {entry!r}; expected {usage}")
+        return cls(fault_kind, pattern, int(layer), int(delay or 0))
+
+    def hits(self, layer: int) -> bool:
+        """A drop loses its layer and every later one; the other kinds hit exactly one layer."""
+        return layer >= self.layer if self.kind == FaultKind.DROP else layer == self.layer
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """What the sender does to one layer (all false: send it untouched)."""
+
+    delay_s: float = 0.0
+    drop: bool = False
+    truncate: bool = False
+    corrupt: bool = False
+    cut: bool = False
+
+
+CLEAN = LayerPlan()
 
 
 @dataclass
 class FaultInjector:
-    """Flips one byte of layer N's K payload of transfers whose id matches a glob pattern."""
+    """The faults of one sender. `corrupt` ({pattern: layer}) is shorthand for corrupt faults."""
 
+    faults: list[Fault] = field(default_factory=list)
     corrupt: Mapping[str, int] = field(default_factory=dict)
-    tampered: list[tuple[str, int]] = field(default_factory=list)
+    fired: list[tuple[str, str, int]] = field(default_factory=list)
+    """(kind, transfer id, layer) of every fault applied, in order."""
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def __post_init__(self) -> None:
+        self.faults = [*self.faults, *(Fault(FaultKind.CORRUPT, p, layer) for p, layer in self.corrupt.items())]
+        self.corrupt = {f.pattern: f.layer for f in self.faults if f.kind == FaultKind.CORRUPT}
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultInjector | None:
+        """The injector a spec describes, or None for an empty spec; ValueError if malformed."""
+        entries = [e for e in spec.split(",") if e.strip()]
+        if not entries:
+            return None
+        injector = cls(faults=[Fault.parse(e) for e in entries])
+        log.warning("KV fault injection enabled: %s", ", ".join(e.strip() for e in entries))
+        return injector
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
-        spec = environ.get(ENV_VAR, "").strip()
-        if not spec:
-            return None
-        corrupt: dict[str, int] = {}
-        for entry in spec.split(","):
-            kind, _, rest = entry.strip().partition(":")
-            transfer_id, _, layer = rest.rpartition(":")
-            if kind != "corrupt" or not transfer_id or not layer.isdigit():
-                raise ValueError(f"bad {ENV_VAR} entry {entry!r}; expected corrupt:<transfer id pattern>:<layer>")
-            corrupt[transfer_id] = int(layer)
-        log.warning("KV fault injection enabled: %s", corrupt)
-        return cls(corrupt=corrupt)
+        return cls.parse(environ.get(ENV_VAR, ""))
 
-    def _target(self, transfer_id: str) -> int | None:
-        """Layer to damage for this transfer: an exact id wins, else the first matching glob."""
-        if transfer_id in self.corrupt:
-            return self.corrupt[transfer_id]
-        for pattern, layer in self.corrupt.items():
-            if fnmatch.fnmatchcase(transfer_id, pattern):
-                return layer
-        return None
+    @classmethod
+    def configured(cls, spec: str = "", environ: Mapping[str, str] = os.environ) -> FaultInjector | None:
+        """From the config field when it is set, else from the environment (test processes)."""
+        return cls.parse(spec) if spec.strip() else cls.from_env(environ)
+
+    @property
+    def tampered(self) -> list[tuple[str, int]]:
+        """(transfer id, layer) of every corrupted layer."""
+        return [(tid, layer) for kind, tid, layer in self.fired if kind == FaultKind.CORRUPT]
+
+    def _matching(self, transfer_id: str) -> list[Fault]:
+        """Faults for this transfer: those naming its exact id win over glob matches."""
+        exact = [f for f in self.faults if f.pattern == transfer_id]
+        return exact or [f for f in self.faults if fnmatch.fnmatchcase(transfer_id, f.pattern)]
+
+    def plan(self, transfer_id: str, layer: int) -> LayerPlan:
+        """What to do to `layer` of `transfer_id`; records each fault that fires."""
+        hits = [f for f in self._matching(transfer_id) if f.hits(layer)]
+        if not hits:
+            return CLEAN
+        kinds = {f.kind for f in hits}
+        plan = LayerPlan(
+            delay_s=sum(f.delay_ms for f in hits if f.kind == FaultKind.DELAY) / 1000,
+            drop=FaultKind.DROP in kinds,
+            truncate=FaultKind.TRUNCATE in kinds,
+            corrupt=FaultKind.CORRUPT in kinds,
+            cut=FaultKind.CUT in kinds,
+        )
+        with self._lock:
+            self.fired.extend((kind.value, transfer_id, layer) for kind in sorted(kinds))
+        log.warning("fault injection: %s on transfer %s layer %d", "+".join(sorted(kinds)), transfer_id, layer)
+        return plan
+
+    @staticmethod
+    def damage(plan: LayerPlan, parts: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """The parts to put on the wire: halved if truncated, one byte flipped if corrupted."""
+        wire = [p[: len(p) // 2] for p in parts] if plan.truncate else list(parts)
+        if plan.corrupt and wire and len(wire[0]):
+            damaged = wire[0].copy()
+            damaged[len(damaged) // 2] ^= 0xFF
+            wire[0] = damaged
+        return wire
 
     def tamper(self, transfer_id: str, layer: int, parts: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The parts to put on the wire: copies with one flipped byte if this layer is targeted."""
-        target = self._target(transfer_id)
-        if target != layer or not parts or not len(parts[0]):
-            return list(parts)
-        damaged = parts[0].copy()
-        damaged[len(damaged) // 2] ^= 0xFF
+        """`damage(plan(...))` in one call (corrupt and truncate only)."""
+        return self.damage(self.plan(transfer_id, layer), parts)
+
+
+@dataclass
+class FaultPoint:
+    """Stall or mark a worker process when a request matching `pattern` reaches `point`."""
+
+    point: str
+    count: int = 0
+    pattern: str = "*"
+    stall: bool = True
+    fired: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    POINTS = (
+        "prefill.before_transfer",
+        "prefill.after_layer",
+        "prefill.after_transfer",
+        "decode.before_transfer",
+        "decode.after_transfer",
+        "decode.after_tokens",
+    )
+
+    @classmethod
+    def parse(cls, spec: str) -> FaultPoint:
+        point, count, pattern, action = ([*spec.strip().split(":", 3), "", "", ""])[:4]
+        if point not in cls.POINTS or not (count or "0").isdigit() or action not in ("", "stall", "mark"):
+            raise ValueError(f"bad {POINT_ENV_VAR} {spec!r}; expected <point>:<N>:<request id pattern>[:stall|mark], "
+                             f"point one of {', '.join(cls.POINTS)}")
+        return cls(point, int(count or 0), pattern or "*", action != "mark")
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] = os.environ) -> FaultPoint | None:
+        if environ.get(POINT_ENV_VAR, "").strip():
+            return cls.parse(environ[POINT_ENV_VAR])
+        legacy = environ.get(LEGACY_PAUSE_ENV_VAR, "").strip()
+        if legacy and legacy.lstrip("-").isdigit() and int(legacy) >= 0:
+            return cls("prefill.after_layer", int(legacy))
+        return None
+
+    def reached(self, point: str, request_id: str, count: int = 0) -> None:
+        """Call at `point`; fires (logs, then stalls unless marking) the first time it matches."""
+        if point != self.point or count < self.count or not fnmatch.fnmatchcase(request_id, self.pattern):
+            return
         with self._lock:
-            self.tampered.append((transfer_id, layer))
-        log.warning("fault injection: flipped a byte of transfer %s layer %d", transfer_id, layer)
-        return [damaged, *parts[1:]]
+            if self.fired:
+                return
+            self.fired = True
+        action = "pausing" if self.stall else "marking"
+        log.warning("test hook: %s at %s %d (request %s, pid %d)", action, point, count, request_id, os.getpid())
+        if self.stall:
+            time.sleep(3600)  # the test kills (or stops) this process now
+
+
+def reached(hook: FaultPoint | None, point: str, request_id: str, count: int = 0) -> None:
+    """`hook.reached(...)` when a hook is configured; a no-op otherwise."""
+    if hook is not None:
+        hook.reached(point, request_id, count)

@@ -5,7 +5,9 @@ Lifecycle of one transfer, owned by `KVReceiver`:
 1. `expect(transfer_id, block_ids, num_tokens, fingerprint, timeout)` registers it (the decode
    worker has allocated the blocks) and returns a future; a deadline timer starts.
 2. BEGIN from a sender binds it to that connection's stream after checking the model
-   fingerprint, the KV layout and the token count.
+   fingerprint, the KV layout and the token count. With a shared secret (`secret=`), a BEGIN
+   whose HMAC proof is missing or wrong is refused first (AuthenticationFailed, counted in
+   `stats.failed["UNAUTHENTICATED"]`): it binds nothing, so none of its bytes reach the pool.
 3. Each LAYER is received straight into the request's blocks (or staged and then written with
    `KVCache.write_tokens`), and its checksum (crc32c or crc32) is checked off the event loop.
 4. TRAILER: once every layer has landed and matched its crc and the digest matches, the future
@@ -31,6 +33,7 @@ from engine.kv_cache import KVCache
 from kvtransfer import checksum
 from kvtransfer.buffers import K, PoolTarget, V
 from kvtransfer.errors import (
+    AuthenticationFailed,
     ChecksumMismatch,
     ErrorCode,
     FingerprintMismatch,
@@ -57,6 +60,7 @@ from kvtransfer.wire import (
     TransferHeader,
     decode_reason,
     digest,
+    verify_begin,
 )
 
 log = logging.getLogger(__name__)
@@ -107,9 +111,11 @@ class KVReceiver:
         port: int = 0,
         zero_copy: bool = True,
         settle_timeout: float = 5.0,
+        secret: str | bytes = b"",
         **transport_options: Any,
     ):
         self.cache = cache
+        self._secret = secret.encode() if isinstance(secret, str) else bytes(secret)
         self.transport = get_transport(transport, **transport_options) if isinstance(transport, str) else transport
         self.host = host
         self.port = port
@@ -241,8 +247,12 @@ class KVReceiver:
             raise ProtocolError(f"stream {frame.stream} begun twice")
         try:
             header = TransferHeader.decode(frame.body)
+            refusal = verify_begin(frame.body, self._secret)
         except ProtocolError as exc:
             self._reply(channel, frame.stream, exc.code, str(exc))
+            return
+        if refusal is not None:
+            self._refuse(channel, frame.stream, header, refusal)
             return
         xfer = self._expected.get(header.transfer_id)
         if xfer is None or xfer.channel is not None:
@@ -258,6 +268,14 @@ class KVReceiver:
         problem = self._check_header(xfer, header)
         if problem is not None:
             self._fail(xfer, problem)
+
+    def _refuse(self, channel: Channel, stream: int, header: TransferHeader, reason: str) -> None:
+        """An unauthenticated BEGIN: answer UNAUTHENTICATED and leave the expected transfer of that
+        id (if any) untouched, still waiting for its real sender; its layers are discarded."""
+        error = AuthenticationFailed(reason, header.transfer_id)
+        log.warning("refusing KV transfer from %s: %s", channel.peer, error)
+        self.stats.failed[error.code.name] += 1
+        self._reply(channel, stream, error.code, str(error))
 
     def _check_header(self, xfer: _Transfer, header: TransferHeader) -> KVTransferError | None:
         if header.fingerprint != xfer.fingerprint:

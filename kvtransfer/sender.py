@@ -15,6 +15,8 @@ connection), sends BEGIN, checksums and sends each layer as it arrives, sends th
 waits for the receiver's RESULT. A receiver error (fingerprint, shape, checksum, unknown id,
 timeout, cancel) ends the transfer early with the matching typed exception; later layers are
 dropped without being sent. `close()` fails unfinished transfers and closes connections.
+A `FaultInjector` (tests only, off by default) may delay, drop, truncate, corrupt or cut
+layers on their way out; see kvtransfer/faults.py.
 
 Tensors handed to `send_layer` belong to the sender until the transfer is done; do not modify
 them (pass `KVCache.read_tokens` results, which are copies).
@@ -57,6 +59,7 @@ from kvtransfer.wire import (
     TransferHeader,
     digest,
     encode_reason,
+    sign_begin,
 )
 
 log = logging.getLogger(__name__)
@@ -146,6 +149,7 @@ class OutgoingTransfer:
         self.started_at = time.monotonic()
         self._queue: asyncio.Queue[_Layer | _Finish | _Abort] = asyncio.Queue()
         self._caller_done = False  # finish() or abort() was called
+        self._dropped = False  # a fault dropped a layer: the rest and the trailer are never sent
         self._lock = threading.Lock()
         self._ack: concurrent.futures.Future[TransferAck] = asyncio.run_coroutine_threadsafe(self._run(), sender.loop)
 
@@ -218,7 +222,7 @@ class OutgoingTransfer:
             peer_checksums = conn.channel.hello.checksums if conn.channel.hello else ()
             self.header = replace(self.header, checksum=checksum.choose(peer_checksums, self.sender.checksums))
             stream, result = conn.open_stream()
-            await conn.channel.send(Frame(FrameKind.BEGIN, stream, self.header.encode()))
+            await conn.channel.send(Frame(FrameKind.BEGIN, stream, sign_begin(self.header.encode(), self.sender.secret)))
             crcs: dict[int, int] = {}
             while True:
                 item = await self._next(result)
@@ -228,6 +232,9 @@ class OutgoingTransfer:
                     await self._tell_receiver(conn, stream, result, item.reason)
                     result = None  # told; do not tell again below
                     raise TransferAborted(f"aborted by sender: {item.reason}", tid)
+                elif self._dropped:
+                    log.warning("fault injection: transfer %s trailer dropped", tid)
+                    break
                 else:
                     layer_sums = [crcs[i] for i in sorted(crcs)]
                     trailer = Trailer(item.first_token, len(crcs), digest(layer_sums, self.header.checksum))
@@ -307,11 +314,27 @@ class OutgoingTransfer:
             crc = await asyncio.to_thread(checksum.compute, algorithm, parts)
         else:
             crc = checksum.compute(algorithm, parts)
-        wire = self.sender.faults.tamper(self.transfer_id, item.layer, parts) if self.sender.faults else parts
+        wire = await self._apply_faults(channel, item.layer, parts) if self.sender.faults else parts
+        if wire is None:
+            return crc
         meta = LayerMeta(item.layer, size, size, crc)
-        await channel.send(Frame(FrameKind.LAYER, stream, meta.encode(), (size, size)), wire)
-        self.sender.stats.bytes_sent += 2 * size
+        await channel.send(Frame(FrameKind.LAYER, stream, meta.encode(), tuple(len(p) for p in wire)), wire)
+        self.sender.stats.bytes_sent += sum(len(p) for p in wire)
         return crc
+
+    async def _apply_faults(self, channel: Channel, layer: int, parts: list[Any]) -> list[Any] | None:
+        """Test hook (kvtransfer.faults): the parts to send for `layer`, or None to drop them."""
+        assert self.sender.faults is not None
+        plan = self.sender.faults.plan(self.transfer_id, layer)
+        if plan.delay_s:
+            await asyncio.sleep(plan.delay_s)
+        if plan.cut:
+            await channel.close()
+            raise ChannelClosed(f"fault injection: connection cut before layer {layer}")
+        if plan.drop:
+            self._dropped = True
+            return None
+        return FaultInjector.damage(plan, parts)
 
     def _drain_queue(self) -> None:
         while not self._queue.empty():
@@ -330,11 +353,13 @@ class KVSender:
         faults: FaultInjector | None = None,
         transport_options: dict[str, dict[str, Any]] | None = None,
         checksums: tuple[str, ...] | None = None,
+        secret: str | bytes = b"",
     ):
         self.connect_timeout = connect_timeout
         self.ack_timeout = ack_timeout
         self.faults = faults if faults is not None else FaultInjector.from_env()
         self.checksums = checksums  # preference order; None: fastest available (crc32c, crc32)
+        self.secret = secret.encode() if isinstance(secret, str) else bytes(secret)  # signs BEGIN (wire.sign_begin)
         self.stats = SenderStats()
         self._transport_options = transport_options or {}
         self._transports: dict[str, Transport] = {}

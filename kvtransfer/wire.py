@@ -14,7 +14,8 @@ One transfer is one *stream* on a connection (the sender numbers its streams):
 
     HELLO    receiver -> sender once per connection: version, transport, connection number,
              checksums it can verify, data-plane address (UCX worker address; empty for tcp)
-    BEGIN    header: transfer id, model fingerprint, token count, KV layout, checksum algorithm
+    BEGIN    header: transfer id, model fingerprint, token count, KV layout, checksum algorithm;
+             with a shared secret, then a nonce and an HMAC-SHA256 over header and nonce
     LAYER    layer index, K bytes, V bytes, checksum of K||V; parts = [K, V]
     TRAILER  first sampled token, number of layers, digest = checksum over the layer checksums
     ABORT    sender gives up (prefill failed or cancelled); reason text
@@ -27,7 +28,9 @@ order, i.e. exactly `KVCache.read_tokens(layer, block_ids, num_tokens)` as conti
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
+import os
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -225,12 +228,18 @@ class TransferHeader:
 
     @classmethod
     def decode(cls, body: bytes) -> TransferHeader:
+        """The header of a BEGIN body (an authentication suffix, if any, is ignored here)."""
+        return cls.decode_with_end(body)[0]
+
+    @classmethod
+    def decode_with_end(cls, body: bytes) -> tuple[TransferHeader, int]:
+        """The header and the offset where its encoding ends in `body`."""
         try:
             num_tokens, num_layers, heads, head_dim, block_size = cls._FIXED.unpack_from(body, 0)
             dtype, off = _unpack_str(body, cls._FIXED.size)
             transfer_id, off = _unpack_str(body, off)
             fp, off = _unpack_str(body, off)
-            algorithm, _ = _unpack_str(body, off)
+            algorithm, end = _unpack_str(body, off)
             header = cls(
                 transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode(), algorithm.decode()
             )
@@ -238,7 +247,48 @@ class TransferHeader:
             raise ProtocolError(f"malformed BEGIN: {exc}") from None
         if not isinstance(getattr(torch, header.dtype, None), torch.dtype):
             raise ProtocolError(f"unknown dtype {header.dtype!r}")
-        return header
+        return header, end
+
+
+# --- BEGIN authentication (shared secret) ----------------------------------------------------
+#
+# With a cluster secret, the sender appends to the encoded header a random nonce and
+# HMAC-SHA256(secret, label || header bytes || nonce): proof that it knows the secret, bound to
+# this transfer id, fingerprint and layout, without the secret itself on the wire. A receiver
+# with a secret refuses a BEGIN whose proof is missing or wrong before any layer is accepted.
+# Transfer ids are single-use, so a replayed BEGIN finds its transfer already bound or gone.
+
+_AUTH_LABEL = b"pdserve-kv-begin-v1\x00"
+_NONCE_BYTES = 16
+
+
+def _begin_mac(secret: bytes, header_bytes: bytes, nonce: bytes) -> bytes:
+    return hmac.new(secret, _AUTH_LABEL + header_bytes + nonce, hashlib.sha256).digest()
+
+
+def sign_begin(header_bytes: bytes, secret: bytes) -> bytes:
+    """BEGIN body: the encoded header, then (with a secret) nonce and MAC; unchanged without."""
+    if not secret:
+        return header_bytes
+    nonce = os.urandom(_NONCE_BYTES)
+    return header_bytes + _pack_str(nonce) + _pack_str(_begin_mac(secret, header_bytes, nonce))
+
+
+def verify_begin(body: bytes, secret: bytes) -> str | None:
+    """Why `body` does not prove `secret` (a message), or None if it does (or no secret is set)."""
+    if not secret:
+        return None
+    _, end = TransferHeader.decode_with_end(body)
+    if end == len(body):
+        return "BEGIN carries no authentication (the sender has no shared secret configured)"
+    try:
+        nonce, off = _unpack_str(body, end)
+        mac, _ = _unpack_str(body, off)
+    except (struct.error, ProtocolError):
+        return "malformed BEGIN authentication"
+    if not hmac.compare_digest(mac, _begin_mac(secret, body[:end], nonce)):
+        return "BEGIN authentication does not match (the sender has a different shared secret)"
+    return None
 
 
 @dataclass(frozen=True)

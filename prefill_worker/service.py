@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import time
 import uuid
 
@@ -28,15 +27,16 @@ from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sequence import Sequence
 from kvtransfer import KVEndpoint, KVSender, KVTransferError, TransferHeader
+from kvtransfer.faults import FaultPoint, reached
 from proto.convert import chunk_from_output, sampling_from_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Test hook (off unless set): stall the engine thread after this layer's KV went out, so a test can
-# kill the worker in the middle of a transfer.
-_PAUSE_AFTER_LAYER = int(os.environ.get("PDSERVE_TEST_PAUSE_AFTER_LAYER", "-1"))
+# Test hook (off unless PDSERVE_TEST_FAULT_POINT / PDSERVE_TEST_PAUSE_AFTER_LAYER is set): stall or mark
+# this process before, during (after layer N) or after a request's KV transfer, so a test can kill it there.
+_HOOK = FaultPoint.from_env()
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
@@ -71,6 +71,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             if dest is not None:
                 endpoint = KVEndpoint(dest.endpoint.host, dest.endpoint.port, dest.endpoint.transport)
                 header = TransferHeader.for_layout(dest.transfer_id, self.engine.engine.layout, len(request.token_ids), self.fingerprint)
+                reached(_HOOK, "prefill.before_transfer", request_id)
                 transfer = self.sender.begin(endpoint, header, ack_timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
                 self._transfers[request_id] = transfer
             first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
@@ -80,6 +81,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                     await self._send_all_layers(request_id, transfer)
                 transfer.finish(first)
                 ack = await transfer.wait(timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
+                reached(_HOOK, "prefill.after_transfer", request_id)
             done = time.monotonic()
             return pb.PrefillResponse(
                 request_id=request_id,
@@ -97,7 +99,13 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             self._transfers.pop(request_id, None)
             if transfer is not None and not transfer.ack.done():
                 transfer.abort("prefill failed or was cancelled")
-            await self.engine.call(lambda: self.engine.engine.release(request_id))
+            await self.engine.call(lambda: self._forget(request_id))
+
+    def _forget(self, request_id: str) -> None:
+        """Engine thread: free the request's blocks. Abort first: a call cancelled while its
+        `add_request` waited for the engine thread leaves a request the engine would still run."""
+        self.engine.engine.abort(request_id)
+        self.engine.engine.release(request_id)
 
     async def _run_prefill(self, request_id, prompt, params, context):
         try:
@@ -116,9 +124,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             if transfer is not None:
                 k, v = cache.read_tokens(layer, seq.block_ids, seq.num_prompt_tokens)
                 transfer.send_layer(layer, k, v)
-        if layer == _PAUSE_AFTER_LAYER:
-            log.warning("test hook: pausing after layer %d mid-transfer", layer)
-            time.sleep(3600)  # a test kills this process now
+                reached(_HOOK, "prefill.after_layer", seq.request_id, layer)
 
     async def _send_all_layers(self, request_id: str, transfer) -> None:
         engine = self.engine.engine

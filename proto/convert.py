@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import grpc
 
-from engine.errors import InvalidRequestError
 from engine.engine import RequestOutput
+from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
 from proto.pdserve.v1 import pdserve_pb2 as pb

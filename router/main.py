@@ -1,6 +1,8 @@
 """`python -m router`: the router process (gRPC Router + Registry, HTTP health/metrics/OpenAI).
 
-Lifecycle: load config; load the tokenizer only (no model weights); bind gRPC and HTTP; add static
+Lifecycle: load config; load the tokenizer only (no model weights); bind gRPC and HTTP (TLS when
+`security.tls_cert_file` is set; Registry calls must carry the cluster secret when one is set,
+while Router/Generate and HTTP /v1 answer to the API keys); add static
 workers from flags; expire silent workers every second; print the ready line; serve until
 SIGTERM; drain (health NOT_SERVING, refuse new requests, let streams finish); stop.
 """
@@ -16,15 +18,17 @@ import socket
 import uvicorn
 
 from deploy.config import PdserveConfig, load_config
+from deploy.security import Security
 from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.http_app import build_app
 from router.metrics import RouterMetrics
 from router.pool import WorkerPool
-from router.service import RegistryService, RouterService, RouterSettings
+from router.service import RegistryService, RouterService, RouterSettings, add_router_to_server
 
 log = logging.getLogger(__name__)
-SERVICES = ["pdserve.v1.Router", "pdserve.v1.Registry"]
+REGISTRY = "pdserve.v1.Registry"
+SERVICES = ["pdserve.v1.Router", REGISTRY]
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -67,7 +71,8 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     host = args.host or rc.host
     tokenizer, max_len = load_tokenizer_and_context(config)
     metrics = RouterMetrics()
-    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s)
+    security = Security.from_config(config.security)
+    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s, security=security)
     for i, address in enumerate(args.prefill):
         pool.add(f"prefill-static-{i}", "prefill", address, static=True)
     for i, address in enumerate(args.decode):
@@ -85,8 +90,10 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
         api_keys=frozenset([*rc.api_keys, *filter(None, os.environ.get("PDSERVE_API_KEYS", "").split(","))]),
     )
     router = RouterService(settings, tokenizer, pool, metrics)
-    server, grpc_port, health_servicer = create_server(host, rc.grpc_port if args.grpc_port is None else args.grpc_port, SERVICES)
-    pb_grpc.add_RouterServicer_to_server(router, server)
+    server, grpc_port, health_servicer = create_server(
+        host, rc.grpc_port if args.grpc_port is None else args.grpc_port, SERVICES, security, protected=[REGISTRY]
+    )
+    add_router_to_server(router, server)
     pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
     await server.start()
 
@@ -95,13 +102,14 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     http_sock.bind((host, rc.http_port if args.http_port is None else args.http_port))
     http_sock.listen(2048)  # accept (queue) connections from the moment "ready" is printed, before uvicorn starts
     app = build_app(router)
-    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    http = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off", **security.uvicorn_ssl()))
     http_task = asyncio.create_task(http.serve(sockets=[http_sock]))
 
     async def watch_workers() -> None:
         while True:
             pool.expire()
             await pool.refresh_static_stats()
+            metrics.observe_workers(pool.workers.values())
             await set_serving(health_servicer, SERVICES, pool.has_role("decode") and not router.draining)
             await asyncio.sleep(0.5)
 

@@ -25,6 +25,10 @@ class RouterMetrics:
         self.retries = Counter("pdserve_prefill_retries", "Prefill attempts retried on another worker", registry=r)
         self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker mid-stream", registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Tokens streamed to clients", registry=r)
+        self.worker_healthy = Gauge("pdserve_worker_healthy", "1 while a worker is in rotation, 0 while out of it",
+                                    ["role", "worker"], registry=r)
+        self.worker_routed = Gauge("pdserve_worker_routed_requests", "Requests the router has sent to a worker",
+                                   ["role", "worker"], registry=r)
         for stage in STAGES:
             self.ttft_stage.labels(stage=stage)
         for outcome in ("ok", "invalid", "overloaded", "error", "cancelled"):
@@ -35,6 +39,14 @@ class RouterMetrics:
             value = getattr(timings, f"{stage}_s", 0.0)
             if value > 0:
                 self.ttft_stage.labels(stage=stage).observe(value)
+
+    def observe_workers(self, workers) -> None:
+        """Publish the pool's view of each registered worker (router.pool.Worker objects)."""
+        self.worker_healthy.clear()
+        self.worker_routed.clear()
+        for w in workers:
+            self.worker_healthy.labels(role=w.role, worker=w.worker_id).set(1 if w.healthy and not w.draining else 0)
+            self.worker_routed.labels(role=w.role, worker=w.worker_id).set(w.routed)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

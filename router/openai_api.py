@@ -1,8 +1,10 @@
 """OpenAI-compatible HTTP API of the router: `/v1/completions`, `/v1/chat/completions`, `/v1/models`.
 
 Life of one request:
-  1. parse: the body must be UTF-8 JSON (an object); it is validated strictly (wrong types are
-     errors, unknown fields are ignored as OpenAI does) into a request model;
+  1. parse: the body must be JSON by its Content-Type (415 otherwise; none at all is read as JSON),
+     at most MAX_BODY_BYTES (413), UTF-8, one object; it is validated strictly (wrong types are
+     errors, unknown fields are ignored as OpenAI does) into a request model. The models are also
+     the OpenAPI schema of the request bodies (`/openapi.json`);
   2. prepare: check what pydantic cannot (served model, n, unsupported features, context length)
      and build one `pb.GenerateRequest` (chat -> `chat`, completion -> raw `text` or `token_ids`);
   3. start: pull the first message of `RouterService.stream()`; every refusal happens before it
@@ -49,6 +51,9 @@ log = logging.getLogger(__name__)
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 """OpenAI's default for the legacy completions endpoint; chat leaves it to the server default."""
 RETRY_AFTER_S = 1
+MAX_BODY_BYTES = 16 << 20
+"""Largest request body read (HTTP 413 beyond): twice what a prompt filling the context can take as text."""
+JSON_MEDIA_TYPES = ("application/json",)
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; logprobs are clamped here."""
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
@@ -134,8 +139,29 @@ def _short(value: Any) -> str:
 
 
 # ---- request schemas ---------------------------------------------------------------------------
+def _documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose accepted values `prepare` narrows further; `schema` says so in the OpenAPI
+    document (so a schema-driven client or fuzzer sends what is served)."""
+    return Field(default, json_schema_extra=schema)
+
+
+def _required_in_schema(name: str):
+    """json_schema_extra that lists an optional field as required and not null: what a client
+    should send; the model itself stays lenient where `prepare` gives a clearer error."""
+
+    def edit(schema: dict) -> None:
+        schema["required"] = [*schema.get("required", []), name]
+        prop = schema["properties"][name]
+        prop["anyOf"] = [option for option in prop["anyOf"] if option.get("type") != "null"]
+        prop.pop("default", None)
+
+    return edit
+
+
 class _Strict(BaseModel):
-    """No type coercion ("5" is not an int, 1.0 is not an int, true is not a number); extra fields ignored."""
+    """No type coercion ("5" is not an int, 1.0 is not an int, true is not a number); extra fields ignored.
+    The field validators check only types and ranges; what `prepare` refuses beyond them (roles, n,
+    non-empty lists) is stated in the OpenAPI schema through `json_schema_extra`."""
 
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
@@ -153,15 +179,15 @@ class _CommonRequest(_Strict):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: int | None = None
+    n: int | None = _documented(minimum=1, maximum=1)
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float | None = _documented(enum=[0, None])
+    frequency_penalty: float | None = _documented(enum=[0, None])
+    logit_bias: dict[str, float] | None = _documented(maxProperties=0)
     # extensions in the style of vLLM (the OpenAI client sends them through `extra_body`)
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     ignore_eos: bool | None = None
@@ -171,29 +197,64 @@ class _CommonRequest(_Strict):
 class CompletionRequest(_CommonRequest):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    echo: bool | None = False
-    best_of: int | None = None
+    echo: bool | None = _documented(False, enum=[False, None])
+    best_of: int | None = _documented(minimum=1, maximum=1)
     suffix: str | None = None
 
 
 class ContentPart(_Strict):
-    type: str
+    model_config = ConfigDict(json_schema_extra=_required_in_schema("text"))
+
+    type: str = Field(json_schema_extra={"enum": ["text"]})
     text: str | None = None
 
 
 class ChatMessage(_Strict):
-    role: str
+    model_config = ConfigDict(json_schema_extra=_required_in_schema("content"))
+
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
     content: str | list[ContentPart] | None = None
+    """The schema asks for it; only an assistant message may leave it out (a tool-call turn)."""
     name: str | None = None
 
 
 class ChatCompletionRequest(_CommonRequest):
-    messages: list[ChatMessage]
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list | None = None
+    tools: list | None = _documented(maxItems=0)
     response_format: dict | None = None
+
+
+async def read_body(request: Request) -> bytes:
+    """The body of a JSON request: 415 for another media type, 413 beyond MAX_BODY_BYTES (refused
+    from Content-Length before reading when the client sends one)."""
+    check_content_type(request.headers.get("content-type"))
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_BODY_BYTES:
+        raise too_large(int(declared))
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_BODY_BYTES:
+            raise too_large(size)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def check_content_type(value: str | None) -> None:
+    """JSON or no Content-Type at all (curl without -H); anything else (a form, text) is 415."""
+    if value is None:
+        return
+    media_type = value.split(";", 1)[0].strip().lower()
+    if media_type not in JSON_MEDIA_TYPES and not media_type.endswith("+json"):
+        raise OpenAIError(415, f"Content-Type: must be application/json, got {value!r}", code="unsupported_media_type")
+
+
+def too_large(size: int) -> OpenAIError:
+    return OpenAIError(413, f"request body: {size} bytes is more than the limit of {MAX_BODY_BYTES} bytes",
+                       code="request_too_large")
 
 
 def parse_body(raw: bytes, schema: type[T]) -> T:
@@ -580,7 +641,7 @@ class OpenAIRoutes:
 
     async def serve(self, request: Request, schema: type) -> Response:
         try:
-            prep = prepare(parse_body(await request.body(), schema), self.service.settings)
+            prep = prepare(parse_body(await read_body(request), schema), self.service.settings)
         except OpenAIError:
             self.service.metrics.requests.labels(outcome="invalid").inc()
             raise
@@ -690,13 +751,40 @@ async def _http_error_handler(request: Request, exc: StarletteHTTPException) -> 
     return OpenAIError(exc.status_code, message, type_=kind, headers=dict(exc.headers or {})).response()
 
 
+REQUEST_SCHEMAS = (CompletionRequest, ChatCompletionRequest)
+
+
+def _request_body(model: type[BaseModel]) -> dict:
+    """OpenAPI `requestBody` of a route that parses its body itself (see `parse_body`)."""
+    schema = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _with_request_schemas(generate):
+    """Wraps FastAPI's `app.openapi` to add the request models (and what they reference) to
+    `components.schemas`, where the routes' `requestBody` refers to them."""
+
+    def openapi() -> dict:
+        document = generate()
+        schemas = document.setdefault("components", {}).setdefault("schemas", {})
+        for model in REQUEST_SCHEMAS:
+            schema = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            schemas.update(schema.pop("$defs", {}))
+            schemas[model.__name__] = schema
+        return document
+
+    return openapi
+
+
 def mount(app: FastAPI, service: RouterService) -> None:
     """Adds the OpenAI routes and error handlers (OpenAI's error shape for every failure) to `app`."""
     routes = OpenAIRoutes(service)
     app.add_exception_handler(OpenAIError, _openai_error_handler)
     app.add_exception_handler(RequestValidationError, _validation_error_handler)
     app.add_exception_handler(StarletteHTTPException, _http_error_handler)
-    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], include_in_schema=True)
-    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"])
+    app.add_api_route("/v1/completions", routes.completions, methods=["POST"], openapi_extra=_request_body(CompletionRequest))
+    app.add_api_route("/v1/chat/completions", routes.chat_completions, methods=["POST"],
+                      openapi_extra=_request_body(ChatCompletionRequest))
     app.add_api_route("/v1/models", routes.models, methods=["GET"])
     app.add_api_route("/v1/models/{model_id:path}", routes.model, methods=["GET"])
+    app.openapi = _with_request_schemas(app.openapi)

@@ -4,6 +4,7 @@ Lifecycle of a worker entry: added from config/flags or by `Registry.Register`; 
 heartbeats (which carry `WorkerStats`); taken out of rotation when heartbeats stop for longer
 than the timeout or when a call to it fails with UNAVAILABLE (until its next heartbeat); removed
 on `Deregister`. Static workers (from flags) have no heartbeat and are probed with `Stats`.
+Each entry owns one channel built by `Security.channel` (TLS and the cluster secret when set).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from deploy.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -53,9 +55,12 @@ class NoWorkerAvailable(Exception):
 
 
 class WorkerPool:
-    def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0, close_grace_s: float = 300.0):
+    def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0, close_grace_s: float = 300.0,
+                 security: Security | None = None):
         from router.policy import make_policy
 
+        self.security = security or Security()
+        """Builds the channels to workers (TLS, shared secret on every call)."""
         self.policy = make_policy(policy)
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.close_grace_s = close_grace_s
@@ -69,7 +74,7 @@ class WorkerPool:
             return existing
         if existing is not None:
             self.remove(worker_id)
-        channel = grpc.aio.insecure_channel(address)
+        channel = self.security.channel(address)
         stub = pb_grpc.PrefillWorkerStub(channel) if role == "prefill" else pb_grpc.DecodeWorkerStub(channel)
         worker = Worker(worker_id, role, address, channel, stub, static=static)
         self.workers[worker_id] = worker

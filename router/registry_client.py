@@ -1,5 +1,6 @@
 """Worker side of the registry: register with the router, heartbeat with stats, re-register when
-the router forgets us (router restart), deregister on shutdown."""
+the router forgets us (router restart), deregister on shutdown. Calls go over the cluster's
+internal channel (deploy/security.py: TLS and the shared secret when configured)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import logging
 
 import grpc
 
+from deploy.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -16,14 +18,15 @@ ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 
 
 class RegistrationLoop:
-    def __init__(self, router_address: str, role: str, worker_id: str, address: str, service, model: str):
+    def __init__(self, router_address: str, role: str, worker_id: str, address: str, service, model: str,
+                 security: Security | None = None):
         self.router_address = router_address
         self.info = pb.WorkerInfo(worker_id=worker_id, role=ROLES[role], address=address, model=model)
         self.service = service
         self.interval_s = 1.0
         self._task: asyncio.Task | None = None
         self._stopped = False
-        self._channel = grpc.aio.insecure_channel(router_address)
+        self._channel = (security or Security()).channel(router_address)
         self._stub = pb_grpc.RegistryStub(self._channel)
 
     def start(self) -> None:
@@ -61,5 +64,8 @@ class RegistrationLoop:
                 registered = reply.known
             except grpc.aio.AioRpcError as exc:
                 registered = False
-                log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # misconfigured: say so, not just retry
+                    log.warning("router %s refused us: %s (is security.shared_secret the same?)", self.router_address, exc.details())
+                else:
+                    log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
             await asyncio.sleep(self.interval_s)

@@ -15,14 +15,17 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import hmac
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
@@ -37,6 +40,11 @@ from router.pool import NoWorkerAvailable, WorkerPool
 log = logging.getLogger(__name__)
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 1024
+MAX_REQUEST_ID_CHARS = 256
+PROMPT_CHARS_MARGIN = 2
+"""A text prompt of more characters than context x (longest token in characters) x this margin cannot
+fit the context whatever it tokenizes to; it is refused before the (event-loop blocking) tokenizer runs."""
 
 
 @dataclass
@@ -120,6 +128,20 @@ class RouterService(pb_grpc.RouterServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc))
         except Unavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        except Exception:  # a bug, not the client's fault: INTERNAL with a log line, never a bare UNKNOWN
+            log.exception("request %s: Generate failed", request.request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error (see the router log)")
+
+    async def GenerateBytes(self, data: bytes, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.GenerateResponse]:
+        """`Generate` for a request still in wire form: one that does not parse (bad UTF-8 in a
+        string field, a truncated varint) is INVALID_ARGUMENT, where grpc's own parsing says UNKNOWN."""
+        try:
+            request = pb.GenerateRequest.FromString(data)
+        except DecodeError as exc:
+            self.metrics.requests.labels(outcome="invalid").inc()
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"request: not a valid pdserve.v1.GenerateRequest ({exc})")
+        async for response in self.Generate(request, context):
+            yield response
 
     async def stream(self, request: pb.GenerateRequest, timeout_s: float | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """Transport-neutral core of Generate, shared by gRPC and the OpenAI HTTP API.
@@ -162,8 +184,33 @@ class RouterService(pb_grpc.RouterServicer):
             self.metrics.requests.labels(outcome=outcome).inc()
 
     def validate(self, request: pb.GenerateRequest) -> tuple[list[int], SamplingParams, list[str]]:
+        """Every check that needs no worker; errors name the proto field (`sampling.top_p`)."""
         if request.model and request.model != self.settings.model_name:
             raise InvalidRequestError("model", f"{request.model!r} is not served here (serving {self.settings.model_name!r})")
+        if len(request.request_id) > MAX_REQUEST_ID_CHARS:
+            raise InvalidRequestError("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, got {len(request.request_id)}")
+        ids = self._prompt_ids(request)
+        if len(ids) >= self.settings.max_model_len:
+            raise InvalidRequestError("prompt", f"{len(ids)} tokens leave no room to generate in the context length {self.settings.max_model_len}")
+        sampling = request.sampling
+        if not sampling.max_tokens:  # unset: as much as fits, at most the default
+            sampling = pb.SamplingParams()
+            sampling.CopyFrom(request.sampling)
+            sampling.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.settings.max_model_len - len(ids)))
+        _check_finite(sampling)
+        params = sampling_from_proto(sampling)
+        vocab = len(self.tokenizer)
+        if any(t >= vocab for t in params.stop_token_ids):
+            raise InvalidRequestError("sampling.stop_token_ids", f"every id must be < {vocab}")
+        stop = _checked_stop(list(request.sampling.stop))
+        if len(ids) + params.max_tokens > self.settings.max_model_len:
+            raise InvalidRequestError(
+                "sampling.max_tokens",
+                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {self.settings.max_model_len}",
+            )
+        return ids, params, stop
+
+    def _prompt_ids(self, request: pb.GenerateRequest) -> list[int]:
         kind = request.WhichOneof("prompt")
         if kind is None:
             raise InvalidRequestError("prompt", "one of token_ids, text or chat is required")
@@ -174,31 +221,37 @@ class RouterService(pb_grpc.RouterServicer):
             vocab = len(self.tokenizer)
             if any(t >= vocab for t in ids):
                 raise InvalidRequestError("prompt.token_ids", f"every id must be < {vocab}")
-        elif kind == "text":
+            return ids
+        if kind == "text":
             if not request.text:
                 raise InvalidRequestError("prompt.text", "must not be empty")
-            ids = encode_prompt(self.tokenizer, request.text, raw=request.raw)
-        else:
-            messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
-            for i, m in enumerate(messages):
-                if m["role"] not in ("system", "user", "assistant"):
-                    raise InvalidRequestError(f"prompt.chat.messages[{i}].role", f"must be system, user or assistant, got {m['role']!r}")
-            ids = encode_chat(self.tokenizer, messages)
-        sampling = request.sampling
-        if not sampling.max_tokens:  # unset: as much as fits, at most the default
-            sampling = pb.SamplingParams()
-            sampling.CopyFrom(request.sampling)
-            sampling.max_tokens = max(1, min(DEFAULT_MAX_TOKENS, self.settings.max_model_len - len(ids)))
-        params = sampling_from_proto(sampling)
-        stop = list(request.sampling.stop)
-        if len(stop) > MAX_STOP_STRINGS:
-            raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings")
-        if len(ids) + params.max_tokens > self.settings.max_model_len:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {self.settings.max_model_len}",
-            )
-        return ids, params, stop
+            self._check_prompt_chars("prompt.text", len(request.text))
+            return encode_prompt(self.tokenizer, request.text, raw=request.raw)
+        messages = [{"role": m.role, "content": m.content} for m in request.chat.messages]
+        if not messages:
+            raise InvalidRequestError("prompt.chat.messages", "must contain at least one message")
+        for i, m in enumerate(messages):
+            if m["role"] not in ("system", "user", "assistant"):
+                raise InvalidRequestError(f"prompt.chat.messages[{i}].role", f"must be system, user or assistant, got {m['role']!r}")
+        self._check_prompt_chars("prompt.chat.messages", sum(len(m["content"]) for m in messages))
+        try:
+            return encode_chat(self.tokenizer, messages)
+        except InvalidRequestError:
+            raise
+        except Exception as exc:  # the model's chat template refused the conversation (jinja2 TemplateError)
+            if type(exc).__module__.startswith("jinja2"):
+                raise InvalidRequestError("prompt.chat.messages", f"the model's chat template rejected the messages: {exc}") from None
+            raise
+
+    def _check_prompt_chars(self, field_name: str, chars: int) -> None:
+        limit = self.settings.max_model_len * self._max_token_chars * PROMPT_CHARS_MARGIN
+        if chars > limit:
+            raise InvalidRequestError(field_name, f"{chars} characters cannot fit the context length {self.settings.max_model_len} tokens")
+
+    @functools.cached_property
+    def _max_token_chars(self) -> int:
+        """Characters of the longest token of the vocabulary (an upper bound for any one token)."""
+        return max(len(self.tokenizer.convert_tokens_to_string([t])) for t in self.tokenizer.get_vocab()) or 1
 
     # ---- orchestration -------------------------------------------------------------------------
     async def run(self, request_id, prompt_ids, params, stop, skip_detokenize, arrived, deadline) -> AsyncIterator[pb.GenerateResponse]:
@@ -226,12 +279,18 @@ class RouterService(pb_grpc.RouterServicer):
             except NoWorkerAvailable as exc:
                 yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, str(exc))
                 return
-            except grpc.aio.AioRpcError as exc:
-                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
-                    raise InvalidRequestError(*_split_field(exc.details())) from None
-                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
-                    raise Overloaded(exc.details()) from None
-                yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker failed: {exc.details()}")
+            except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.DEADLINE_EXCEEDED
+                details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else "no admission in time"
+                if code == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise InvalidRequestError(*_split_field(details)) from None
+                if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    raise Overloaded(details) from None
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and migrations < self.settings.max_migrations:
+                    migrations += 1  # nothing streamed yet: the (dead or hung) worker is out, try another
+                    log.warning("request %s: decode admission failed (%s %s); trying another worker", request_id, code.name, details)
+                    continue
+                yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker failed: {code.name} {details}")
                 return
             if prefill_resp is not None:
                 self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(prefill_resp.kv_bytes_sent)
@@ -255,7 +314,7 @@ class RouterService(pb_grpc.RouterServicer):
                 decoder.in_flight -= 1
                 call.cancel()
 
-    async def _start(self, request: pb.DecodeRequest, failed_prefill: set[str], state: "_Progress"):
+    async def _start(self, request: pb.DecodeRequest, failed_prefill: set[str], state: _Progress):
         """Admit on D and get the prompt prefilled; returns (D, its stream, the prefill response)."""
         prompt_ids = list(request.token_ids)
         decoder = self.pool.pick("decode", prompt_ids)
@@ -267,7 +326,7 @@ class RouterService(pb_grpc.RouterServicer):
             # with local prefill the first message is the first token: allow the whole deadline
             wait = state.remaining() if local else min(self.settings.rpc_timeout_s, state.remaining())
             first = await asyncio.wait_for(call.read(), timeout=wait)
-        except (grpc.aio.AioRpcError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, grpc.aio.AioRpcError) as exc:
             call.cancel()
             if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
                 self.pool.mark_failed(decoder)
@@ -316,7 +375,7 @@ class RouterService(pb_grpc.RouterServicer):
         threshold = self.settings.local_prefill_threshold
         return not self.pool.has_role("prefill") or 0 < len(prompt_ids) <= threshold
 
-    async def _relay(self, call: "DecodeStream", state: "_Progress") -> AsyncIterator[pb.GenerateResponse]:
+    async def _relay(self, call: DecodeStream, state: _Progress) -> AsyncIterator[pb.GenerateResponse]:
         """Forward one decode worker's stream; raises DecodeLost if the worker goes away mid-stream."""
         try:
             async for message in call:
@@ -335,7 +394,7 @@ class RouterService(pb_grpc.RouterServicer):
             raise
         raise DecodeLost("decode stream ended without finishing")
 
-    def _on_chunk(self, state: "_Progress", worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
+    def _on_chunk(self, state: _Progress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
         now = time.monotonic()
         if state.last_token_at is None:
             state.timings.ttft_s = now - state.arrived
@@ -358,7 +417,7 @@ class RouterService(pb_grpc.RouterServicer):
                 return state.final(chunk, pb.FINISH_REASON_STOP, self.metrics)
         return pb.GenerateResponse(request_id=state.request_id, chunk=chunk)
 
-    def _on_finished(self, state: "_Progress", fin: pb.DecodeFinished) -> pb.GenerateResponse:
+    def _on_finished(self, state: _Progress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
         state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
         tail = pb.TokenChunk(text=state.detok.finish().text) if state.detok is not None else pb.TokenChunk()
         response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics)
@@ -430,6 +489,33 @@ class DecodeStream:
     async def __aiter__(self):
         while (message := await self.read()) is not None:
             yield message
+
+
+def _check_finite(sampling: pb.SamplingParams) -> None:
+    """NaN passes every range check (all comparisons are false) and would poison the sampler."""
+    for name in ("temperature", "top_p"):
+        if sampling.HasField(name) and not math.isfinite(getattr(sampling, name)):
+            raise InvalidRequestError(f"sampling.{name}", f"must be a finite number, got {getattr(sampling, name)}")
+
+
+def _checked_stop(stop: list[str]) -> list[str]:
+    if len(stop) > MAX_STOP_STRINGS:
+        raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    for i, text in enumerate(stop):
+        if len(text) > MAX_STOP_STRING_CHARS:
+            raise InvalidRequestError(f"sampling.stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}")
+    return stop
+
+
+def add_router_to_server(service: RouterService, server: grpc.aio.Server) -> None:
+    """Serves `pdserve.v1.Router` with requests parsed by `service.GenerateBytes` (see there)."""
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            service.GenerateBytes, request_deserializer=None, response_serializer=pb.GenerateResponse.SerializeToString
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("pdserve.v1.Router", handlers),))
+    server.add_registered_method_handlers("pdserve.v1.Router", handlers)
 
 
 def _split_field(details: str) -> tuple[str, str]:

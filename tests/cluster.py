@@ -2,7 +2,9 @@
 
 `LocalCluster` writes a YAML config, launches decode workers, prefill workers and a router as
 separate `python -m ...` processes with OS-assigned ports, waits for each one's ready line, and
-on `stop()` sends SIGTERM (then SIGKILL) to everything it started.
+on `stop()` sends SIGTERM (then SIGKILL) to everything it started. Fault tests use
+`send_signal` (SIGKILL / SIGSTOP / SIGCONT one process), `replace` (start a fresh copy of a killed worker),
+`restart_router` (same gRPC port, so registered workers find it again) and `metrics`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ class Proc:
     popen: subprocess.Popen
     ready: dict
     log_lines: list[str] = field(default_factory=list)
+    args: list[str] = field(default_factory=list)
+    env: dict = field(default_factory=dict)
 
     @property
     def address(self) -> str:
@@ -39,6 +43,18 @@ class Proc:
 
     def alive(self) -> bool:
         return self.popen.poll() is None
+
+    def wait_for_line(self, text: str, timeout: float = 120.0) -> str:
+        """The first log line containing `text` (e.g. a test hook's marker), waiting for it."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = next((line for line in list(self.log_lines) if text in line), None)
+            if found is not None:
+                return found
+            if not self.alive():
+                break
+            time.sleep(0.05)
+        raise AssertionError(f"{self.name} never logged {text!r}:\n" + "\n".join(self.log_lines[-20:]))
 
 
 def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0) -> Proc:
@@ -68,7 +84,7 @@ def start_process(name: str, args: list[str], env: dict | None = None, timeout: 
         if popen.poll() is not None or time.monotonic() > deadline:
             popen.kill()
             raise RuntimeError(f"{name} did not start:\n" + "\n".join(lines[-40:]))
-    return Proc(name, popen, ready, lines)
+    return Proc(name, popen, ready, lines, list(args), dict(env or {}))
 
 
 def stop_process(proc: Proc, timeout: float = 20.0) -> None:
@@ -106,7 +122,7 @@ class LocalCluster:
         self.decode: list[Proc] = []
         self.router: Proc | None = None
 
-    def start(self) -> "LocalCluster":
+    def start(self) -> LocalCluster:
         try:
             cfg = ["-c", str(self.config_path)]
             if self.register:
@@ -149,6 +165,43 @@ class LocalCluster:
             if proc is not None:
                 stop_process(proc)
 
+    def send_signal(self, proc: Proc, sig: signal.Signals = signal.SIGKILL) -> float:
+        """Send `sig` to `proc`'s process group (SIGKILL also reaps it); returns when it was sent."""
+        os.killpg(proc.popen.pid, sig)
+        sent = time.monotonic()
+        if sig == signal.SIGKILL:
+            proc.popen.wait(10)
+        return sent
+
+    def replace(self, proc: Proc, env: dict | None = None) -> Proc:
+        """Start a fresh copy of a (killed) worker with the same arguments and, unless given, env."""
+        stop_process(proc)
+        fresh = start_process(proc.name, proc.args, proc.env if env is None else env)
+        group = self.decode if proc in self.decode else self.prefill
+        group[group.index(proc)] = fresh
+        return fresh
+
+    def restart_router(self, sig: signal.Signals = signal.SIGKILL) -> float:
+        """Stop the router with `sig` and start a new one on the same gRPC port; returns when the
+        old one was signalled. Registered workers re-register with the new one on their own."""
+        old = self.router
+        port = str(old.ready["grpc_port"])
+        args = list(old.args)
+        args[args.index("--grpc-port") + 1] = port
+        sent = self.send_signal(old, sig)
+        old.popen.wait(30)
+        self.router = start_process("router", args, old.env)
+        return sent
+
+    def metrics(self) -> dict[tuple[str, tuple], float]:
+        """The router's Prometheus samples: {(name, sorted label items): value}."""
+        import requests
+        from prometheus_client.parser import text_string_to_metric_families
+
+        text = requests.get(self.http_url + "/metrics", timeout=10).text
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for family in text_string_to_metric_families(text) for s in family.samples}
+
     @property
     def http_url(self) -> str:
         return f"http://127.0.0.1:{self.router.ready['http_port']}"
@@ -172,7 +225,7 @@ class LocalCluster:
                     raise AssertionError(f"{proc.name}: {stats.total_kv_blocks - stats.free_kv_blocks} KV blocks leaked ({stats})")
                 time.sleep(0.2)
 
-    def __enter__(self) -> "LocalCluster":
+    def __enter__(self) -> LocalCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -170,7 +170,7 @@ class BenchCluster:
             log.warning("%d workers on %d cores: worker %d shares a core", self.num_prefill + self.num_decode, len(self.cores), i)
         return self.cores[i % len(self.cores)]
 
-    def start(self) -> "BenchCluster":
+    def start(self) -> BenchCluster:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         config_path = self.log_dir / "config.yaml"
         config_path.write_text(yaml.safe_dump(self.config))
@@ -219,7 +219,7 @@ class BenchCluster:
             if proc is not None:
                 terminate(proc)
 
-    def __enter__(self) -> "BenchCluster":
+    def __enter__(self) -> BenchCluster:
         return self.start()
 
     def __exit__(self, *exc) -> None:

@@ -54,7 +54,7 @@ class Channel(ABC):
         Returns when the channel can take more. The parts' memory must stay untouched until
         `flush()` returns (transports that send asynchronously keep references until then)."""
 
-    async def flush(self) -> None:
+    async def flush(self) -> None:  # noqa: B027 (optional hook: synchronous transports have nothing to wait for)
         """Wait until every payload handed to `send` has left this process's buffers."""
 
     @abstractmethod

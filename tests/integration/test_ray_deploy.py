@@ -145,7 +145,7 @@ def stop_and_check_nothing_left(serve: Proc, seen: set[tuple[int, float]]) -> No
         rc = serve.popen.wait(150)
     except subprocess.TimeoutExpired:
         os.killpg(serve.popen.pid, signal.SIGKILL)
-        raise AssertionError("pdserve serve did not exit after SIGTERM:\n" + "\n".join(serve.log_lines[-40:]))
+        raise AssertionError("pdserve serve did not exit after SIGTERM:\n" + "\n".join(serve.log_lines[-40:])) from None
     assert rc == 0, "\n".join(serve.log_lines[-40:])
 
     def leftovers() -> list[str]:
