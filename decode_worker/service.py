@@ -6,7 +6,7 @@ Life of one `Decode` call (remote prefill):
   2. register the transfer with the KV receiver and answer with `KVAdmission` (endpoint + transfer id);
   3. wait for the KV; a bad or missing transfer aborts the request, frees its blocks and ends the
      stream with a `DecodeFinished` carrying the KV error code;
-  4. commit the KV (the request becomes RUNNING with the prefill worker's first token) and stream
+  4. stream the prefill worker's first token at once, commit the KV (the request becomes RUNNING) and stream
      chunks from the engine's continuous-batching loop until it finishes.
 With `local_prefill` the worker prefills the prompt itself (conditional disaggregation).
 A cancelled call (router gone, deadline) aborts the request on the engine and the receiver.
@@ -115,12 +115,14 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 yield _finished(request_id, pb.FINISH_REASON_ERROR, _kv_error(exc))
                 return
             kv_done = time.monotonic()
+            # the prefill worker sampled the first token: stream it now, not after the commit's step boundary
+            yield pb.DecodeResponse(request_id=request_id, chunk=pb.TokenChunk(token_ids=[received.first_token]))
             await self.engine.call(lambda: self.engine.engine.commit_remote_kv(request_id, received.first_token))
             committed = True
             reached(_HOOK, "decode.after_transfer", request_id)
             timings = pb.StageTimings(decode_admission_s=admitted - started, kv_transfer_s=kv_done - admitted)
             outputs = self.engine.generate_remote(request_id, stream)
-            async for response in self._stream(request_id, outputs, started, context, timings):
+            async for response in self._stream(request_id, outputs, started, context, timings, already_streamed=1):
                 yield response
         finally:
             if not committed:
@@ -141,15 +143,18 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
             await asyncio.sleep(0.02)
 
-    async def _stream(self, request_id, outputs, started, context, timings=None) -> AsyncIterator[pb.DecodeResponse]:
+    async def _stream(self, request_id, outputs, started, context, timings=None, already_streamed: int = 0) -> AsyncIterator[pb.DecodeResponse]:
+        """Engine outputs -> chunks; the first `already_streamed` tokens were sent before the commit."""
         usage = pb.Usage()
         try:
             async for out in outputs:
                 usage.prompt_tokens = out.num_prompt_tokens or usage.prompt_tokens
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
                 usage.completion_tokens += len(out.new_token_ids)
-                if out.new_token_ids:
-                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
+                skip = min(already_streamed, len(out.new_token_ids))
+                already_streamed -= skip
+                if len(out.new_token_ids) > skip:
+                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out, skip))
                     reached(_HOOK, "decode.after_tokens", request_id, usage.completion_tokens)
                 if out.finished:
                     t = timings or pb.StageTimings()

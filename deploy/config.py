@@ -62,6 +62,9 @@ class RouterConfig:
     local_prefill_threshold: int = 0
     """Prompts up to this many tokens (with no cached prefix) are prefilled on the decode worker; 0 disables."""
     heartbeat_timeout_s: float = 5.0
+    stall_timeout_s: float = 30.0
+    """A request whose decode worker streams nothing for this long after the first token migrates to
+    another decode worker (a hung or paused worker); 0 disables (the client's deadline still applies)."""
     num_cpus: float = 0.25
     """Logical CPUs the router actor reserves under Ray (it tokenizes and relays; no model)."""
     resources: dict[str, float] = field(default_factory=dict)
@@ -85,6 +88,8 @@ class RouterConfig:
             _non_negative_int(f"{prefix}.{name}", getattr(self, name))
         _positive_float(f"{prefix}.request_timeout_s", self.request_timeout_s)
         _positive_float(f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if not _is_number(self.stall_timeout_s) or self.stall_timeout_s < 0:
+            raise ConfigError(f"{prefix}.stall_timeout_s", f"must be a number >= 0 (0 = off), got {self.stall_timeout_s!r}")
         _positive_float(f"{prefix}.num_cpus", self.num_cpus)
         _custom_resources(f"{prefix}.resources", self.resources)
 

@@ -64,9 +64,11 @@ def finish_reason_to_proto(reason: FinishReason | None) -> int:
     return _FINISH_TO_PROTO.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason else pb.FINISH_REASON_UNSPECIFIED
 
 
-def chunk_from_output(out: RequestOutput) -> pb.TokenChunk:
-    chunk = pb.TokenChunk(token_ids=out.new_token_ids)
-    for token, lp, top in zip(out.new_token_ids, out.logprobs, out.top_logprobs):
+def chunk_from_output(out: RequestOutput, skip: int = 0) -> pb.TokenChunk:
+    """The output's new tokens (after the first `skip`, already streamed) with their logprobs."""
+    tokens = out.new_token_ids[skip:]
+    chunk = pb.TokenChunk(token_ids=tokens)
+    for token, lp, top in zip(tokens, out.logprobs, out.top_logprobs):
         chunk.logprobs.append(
             pb.Logprob(token_id=token, logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top.items()])
         )

@@ -77,18 +77,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
         pool.add(f"prefill-static-{i}", "prefill", address, static=True)
     for i, address in enumerate(args.decode):
         pool.add(f"decode-static-{i}", "decode", address, static=True)
-    settings = RouterSettings(
-        model_name=config.model_name,
-        max_model_len=max_len,
-        transport=config.kv_transfer.transport,
-        max_queued_requests=rc.max_queued_requests,
-        max_queued_tokens=rc.max_queued_tokens,
-        request_timeout_s=rc.request_timeout_s,
-        prefill_retries=rc.prefill_retries,
-        max_migrations=rc.max_migrations,
-        local_prefill_threshold=rc.local_prefill_threshold,
-        api_keys=frozenset([*rc.api_keys, *filter(None, os.environ.get("PDSERVE_API_KEYS", "").split(","))]),
-    )
+    settings = RouterSettings.from_config(config, max_len)
     router = RouterService(settings, tokenizer, pool, metrics)
     server, grpc_port, health_servicer = create_server(
         host, rc.grpc_port if args.grpc_port is None else args.grpc_port, SERVICES, security, protected=[REGISTRY]

@@ -24,6 +24,7 @@ class RouterMetrics:
         self.queued_tokens = Gauge("pdserve_router_queue_tokens", "Prompt tokens of admitted, unfinished requests", registry=r)
         self.retries = Counter("pdserve_prefill_retries", "Prefill attempts retried on another worker", registry=r)
         self.migrations = Counter("pdserve_migrations", "Requests moved to another decode worker mid-stream", registry=r)
+        self.stalls = Counter("pdserve_decode_stalls", "Streams whose decode worker sent nothing for router.stall_timeout_s", registry=r)
         self.tokens = Counter("pdserve_generated_tokens", "Tokens streamed to clients", registry=r)
         self.worker_healthy = Gauge("pdserve_worker_healthy", "1 while a worker is in rotation, 0 while out of it",
                                     ["role", "worker"], registry=r)

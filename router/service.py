@@ -19,6 +19,7 @@ import functools
 import hmac
 import logging
 import math
+import os
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -27,6 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
+from deploy.config import PdserveConfig, RouterConfig
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.tokenization import encode_chat, encode_prompt
@@ -47,19 +49,24 @@ PROMPT_CHARS_MARGIN = 2
 fit the context whatever it tokenizes to; it is refused before the (event-loop blocking) tokenizer runs."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class RouterSettings:
+    """What this router serves (found at start) and its `router` config section."""
+
     model_name: str
     max_model_len: int
     transport: str
-    max_queued_requests: int = 256
-    max_queued_tokens: int = 262144
-    request_timeout_s: float = 300.0
-    prefill_retries: int = 2
-    max_migrations: int = 2
-    local_prefill_threshold: int = 0
-    rpc_timeout_s: float = 30.0
+    config: RouterConfig = field(default_factory=RouterConfig)
     api_keys: frozenset[str] = frozenset()
+    """The configured keys plus those in PDSERVE_API_KEYS (see `with_env_api_keys`)."""
+    rpc_timeout_s: float = 30.0
+    """Longest wait for a decode worker's admission message (not for tokens)."""
+
+    @classmethod
+    def from_config(cls, config: PdserveConfig, max_model_len: int) -> RouterSettings:
+        env_keys = filter(None, os.environ.get("PDSERVE_API_KEYS", "").split(","))
+        return cls(model_name=config.model_name, max_model_len=max_model_len, transport=config.kv_transfer.transport,
+                   config=config.router, api_keys=frozenset([*config.router.api_keys, *env_keys]))
 
     def authorized(self, authorization: str | None) -> bool:
         """True when no keys are configured, or `authorization` is `Bearer <a configured key>`."""
@@ -111,7 +118,7 @@ class RouterService(pb_grpc.RouterServicer):
         self.tokenizer = tokenizer
         self.pool = pool
         self.metrics = metrics
-        self.admission = Admission(settings.max_queued_requests, settings.max_queued_tokens, metrics)
+        self.admission = Admission(settings.config.max_queued_requests, settings.config.max_queued_tokens, metrics)
         self.draining = False
 
     # ---- public API ----------------------------------------------------------------------------
@@ -149,7 +156,7 @@ class RouterService(pb_grpc.RouterServicer):
         failures end the stream with a message whose `error` is set. The client's deadline
         (`timeout_s`) bounds every call to the workers."""
         arrived = time.monotonic()
-        deadline = arrived + min(timeout_s or self.settings.request_timeout_s, self.settings.request_timeout_s)
+        deadline = arrived + min(timeout_s or self.settings.config.request_timeout_s, self.settings.config.request_timeout_s)
         request_id = request.request_id or uuid.uuid4().hex
         try:
             prompt_ids, params, stop = self.validate(request)
@@ -270,7 +277,7 @@ class RouterService(pb_grpc.RouterServicer):
                 decoder, call, prefill_resp = await self._start(state.next_attempt(), failed_prefill, state)
             except PrefillFailed as exc:
                 prefill_failures += 1
-                if prefill_failures > self.settings.prefill_retries:
+                if prefill_failures > self.settings.config.prefill_retries:
                     yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"prefill failed after {prefill_failures} attempts: {exc}")
                     return
                 self.metrics.retries.inc()
@@ -286,7 +293,7 @@ class RouterService(pb_grpc.RouterServicer):
                     raise InvalidRequestError(*_split_field(details)) from None
                 if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                     raise Overloaded(details) from None
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and migrations < self.settings.max_migrations:
+                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) and migrations < self.settings.config.max_migrations:
                     migrations += 1  # nothing streamed yet: the (dead or hung) worker is out, try another
                     log.warning("request %s: decode admission failed (%s %s); trying another worker", request_id, code.name, details)
                     continue
@@ -304,7 +311,7 @@ class RouterService(pb_grpc.RouterServicer):
             except DecodeLost as exc:
                 self.pool.mark_failed(decoder)
                 migrations += 1
-                if migrations > self.settings.max_migrations:
+                if migrations > self.settings.config.max_migrations:
                     yield _error_response(request_id, pb.ERROR_CODE_UNAVAILABLE, f"decode worker lost {migrations} times: {exc}")
                     return
                 self.metrics.migrations.inc()
@@ -372,13 +379,13 @@ class RouterService(pb_grpc.RouterServicer):
 
     def _prefill_locally(self, prompt_ids: list[int]) -> bool:
         """Conditional disaggregation: no prefill pool, or a prompt short enough for D to run."""
-        threshold = self.settings.local_prefill_threshold
+        threshold = self.settings.config.local_prefill_threshold
         return not self.pool.has_role("prefill") or 0 < len(prompt_ids) <= threshold
 
     async def _relay(self, call: DecodeStream, state: _Progress) -> AsyncIterator[pb.GenerateResponse]:
         """Forward one decode worker's stream; raises DecodeLost if the worker goes away mid-stream."""
         try:
-            async for message in call:
+            while (message := await self._next_message(call, state)) is not None:
                 event = message.WhichOneof("event")
                 if event == "chunk":
                     response = self._on_chunk(state, message.chunk)
@@ -393,6 +400,18 @@ class RouterService(pb_grpc.RouterServicer):
                 raise DecodeLost(f"{exc.code().name}: {exc.details()}") from None
             raise
         raise DecodeLost("decode stream ended without finishing")
+
+    async def _next_message(self, call: DecodeStream, state: _Progress) -> pb.DecodeResponse | None:
+        """D's next message. Once tokens flow, silence longer than `stall_timeout_s` means D is hung:
+        DecodeLost, so the request migrates. Near the deadline the call's own deadline decides."""
+        stall = self.settings.config.stall_timeout_s
+        if not stall or state.last_token_at is None or state.remaining() <= stall:
+            return await call.read()
+        try:
+            return await asyncio.wait_for(call.read(), timeout=stall)
+        except TimeoutError:
+            self.metrics.stalls.inc()
+            raise DecodeLost(f"no token for {stall:g} s (worker hung or paused)") from None
 
     def _on_chunk(self, state: _Progress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
         now = time.monotonic()

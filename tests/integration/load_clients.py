@@ -17,8 +17,10 @@ import json
 import random
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Self
 
 import grpc
@@ -27,9 +29,18 @@ import psutil
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.cluster import LocalCluster, write_config
 
 MODEL = "smollm2-135m"
 MB = 1 << 20
+
+
+@contextmanager
+def admission_limited_cluster(directory: Path, max_queued_requests: int) -> Iterator[LocalCluster]:
+    """Router + 1 prefill + 1 decode worker (tcp KV) whose router admits `max_queued_requests`."""
+    config = write_config(directory / "pdserve.yaml", transport="tcp", router={"max_queued_requests": max_queued_requests})
+    with LocalCluster(config, num_prefill=1, num_decode=1) as cluster:
+        yield cluster
 
 
 @dataclass(frozen=True)

@@ -42,6 +42,7 @@ MAX_TOKENS = 24
 CONCURRENCY = 16
 DEADLINE_S = 90.0
 HEARTBEAT_TIMEOUT_S = 3.0
+STALL_TIMEOUT_S = 5.0
 KV_TIMEOUT_S = 12.0
 RESULTS = REPO / "bench" / "results" / "faults.json"
 COMMAND = ".venv/bin/pytest tests/integration/test_faults.py"
@@ -237,7 +238,7 @@ def cluster(tmp_path_factory, prompts):
     config = write_config(
         tmp_path_factory.mktemp("faults") / "c.yaml", transport=TRANSPORT,
         kv_transfer={"timeout_s": KV_TIMEOUT_S},
-        router={"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "prefill_retries": 2, "max_migrations": 3, "max_queued_requests": 128},
+        router={"heartbeat_timeout_s": HEARTBEAT_TIMEOUT_S, "stall_timeout_s": STALL_TIMEOUT_S, "prefill_retries": 2, "max_migrations": 3, "max_queued_requests": 128},
     )
     env = {f"prefill{i}": {"PDSERVE_KV_FAULTS": KV_FAULTS, "PDSERVE_TEST_FAULT_POINT": PREFILL_HOOK} for i in range(2)}
     env |= {f"decode{i}": {"PDSERVE_TEST_FAULT_POINT": DECODE_HOOK} for i in range(2)}
@@ -294,12 +295,16 @@ def test_kv_transfer_faults_are_detected_and_retried(cluster, prompts, hf_greedy
 def test_decode_worker_paused_leaves_and_rejoins_rotation(cluster, prompts, hf_greedy):
     victim = cluster.decode[0]
     vid = victim.ready["worker_id"]
+    stalls_before = counter(cluster, "pdserve_decode_stalls_total")
     with SteadyLoad(cluster.router.address, prompts) as load:
         load.wait_ok(4)
         stopped_at = cluster.send_signal(victim, signal.SIGSTOP)
         try:
             out_at = wait_until(lambda: worker_metric(cluster, "pdserve_worker_healthy", vid) == 0, 60, "the paused worker out of rotation")
             routed_out = worker_metric(cluster, "pdserve_worker_routed_requests", vid)
+            # its streams go silent: after stall_timeout_s the router moves them to the other decode worker
+            stalled_at = wait_until(lambda: counter(cluster, "pdserve_decode_stalls_total") > stalls_before, 60,
+                                    "the paused worker's streams migrated")
             load.wait_ok(CONCURRENCY // 2, after=out_at)  # new requests succeed on the other decode worker
             assert worker_metric(cluster, "pdserve_worker_routed_requests", vid) == routed_out, "routed to a worker out of rotation"
         finally:
@@ -309,53 +314,46 @@ def test_decode_worker_paused_leaves_and_rejoins_rotation(cluster, prompts, hf_g
         load.wait_ok(CONCURRENCY, after=back_at)
         result = finish_scenario(cluster, load, hf_greedy)
     record("decode_paused", load=result, out_of_rotation_after_s=out_at - stopped_at, back_in_rotation_after_s=back_at - resumed_at,
-           paused_for_s=resumed_at - stopped_at,
-           what="SIGSTOP -> router marks it unhealthy (heartbeat timeout); SIGCONT -> next heartbeat puts it back")
+           paused_for_s=resumed_at - stopped_at, its_streams_migrated_after_s=stalled_at - stopped_at,
+           what="SIGSTOP -> router marks it unhealthy (heartbeat timeout) and moves its silent streams (stall timeout); "
+                "SIGCONT -> next heartbeat puts it back")
 
 
-def test_decode_worker_killed_mid_decode_migrates(cluster, prompts, hf_greedy):
-    migrations_before = counter(cluster, "pdserve_migrations_total")
+def _kill_mid_request(cluster, prompts, hf_greedy, pool: str, request_id: str, prompt, hook: str, counter_name: str) -> dict:
+    """Under steady load, SIGKILL the `pool` worker whose fault hook stalled `request_id` at `hook`,
+    then start a replacement; the stalled request and every other one must still equal HF."""
+    before = counter(cluster, counter_name)
     with SteadyLoad(cluster.router.address, prompts) as load:
         load.wait_ok(4)
-        thread, box = start_special(cluster.router.address, "dkill-1", prompts[3])
-        victim = hooked(cluster.decode, "test hook: pausing at decode.after_tokens")
+        thread, box = start_special(cluster.router.address, request_id, prompt)
+        victim = hooked(getattr(cluster, pool), f"test hook: pausing at {hook}")
         killed_at = cluster.send_signal(victim, signal.SIGKILL)
         first_ok = load.wait_ok(1, after=killed_at)
         thread.join(DEADLINE_S + 10)
         replaced_at = time.monotonic()
         fresh = cluster.replace(victim)
         joined_at = wait_until(lambda: worker_metric(cluster, "pdserve_worker_healthy", fresh.ready["worker_id"]) == 1, 60,
-                               "the replacement decode worker in rotation")
+                               f"the replacement {pool} worker in rotation")
         load.wait_ok(CONCURRENCY, after=joined_at)
         result = finish_scenario(cluster, load, hf_greedy)
     killed = box[0]
     assert killed.ok and killed.tokens == hf_greedy(killed.prompt, MAX_TOKENS), killed
-    assert counter(cluster, "pdserve_migrations_total") > migrations_before
-    record("decode_killed", load=result, first_new_success_after_s=first_ok - killed_at,
-           victim_request_done_after_s=killed.ended - killed_at, replacement_joined_after_s=joined_at - replaced_at,
+    assert counter(cluster, counter_name) > before
+    return dict(load=result, first_new_success_after_s=first_ok - killed_at,
+                victim_request_done_after_s=killed.ended - killed_at, replacement_joined_after_s=joined_at - replaced_at)
+
+
+def test_decode_worker_killed_mid_decode_migrates(cluster, prompts, hf_greedy):
+    figures = _kill_mid_request(cluster, prompts, hf_greedy, "decode", "dkill-1", prompts[3], "decode.after_tokens",
+                                "pdserve_migrations_total")
+    record("decode_killed", **figures,
            what="SIGKILL mid-decode -> in-flight requests migrate; first request started after the kill completes")
 
 
 def test_prefill_worker_killed_mid_transfer_is_retried(cluster, prompts, hf_greedy):
-    retries_before = counter(cluster, "pdserve_prefill_retries_total")
-    with SteadyLoad(cluster.router.address, prompts) as load:
-        load.wait_ok(4)
-        thread, box = start_special(cluster.router.address, "pkill-1", prompts[6])
-        victim = hooked(cluster.prefill, "test hook: pausing at prefill.after_layer")
-        killed_at = cluster.send_signal(victim, signal.SIGKILL)
-        first_ok = load.wait_ok(1, after=killed_at)
-        thread.join(DEADLINE_S + 10)
-        replaced_at = time.monotonic()
-        fresh = cluster.replace(victim)
-        joined_at = wait_until(lambda: worker_metric(cluster, "pdserve_worker_healthy", fresh.ready["worker_id"]) == 1, 60,
-                               "the replacement prefill worker in rotation")
-        load.wait_ok(CONCURRENCY, after=joined_at)
-        result = finish_scenario(cluster, load, hf_greedy)
-    killed = box[0]
-    assert killed.ok and killed.tokens == hf_greedy(killed.prompt, MAX_TOKENS), killed
-    assert counter(cluster, "pdserve_prefill_retries_total") > retries_before
-    record("prefill_killed", load=result, first_new_success_after_s=first_ok - killed_at,
-           victim_request_done_after_s=killed.ended - killed_at, replacement_joined_after_s=joined_at - replaced_at,
+    figures = _kill_mid_request(cluster, prompts, hf_greedy, "prefill", "pkill-1", prompts[6], "prefill.after_layer",
+                                "pdserve_prefill_retries_total")
+    record("prefill_killed", **figures,
            what="SIGKILL after layer 10 of 30 was sent -> the router retries the prefill on the other worker")
 
 

@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.cluster import REPO, LocalCluster, write_config
-from tests.integration.load_clients import Job, RssSampler, run_load
+from tests.cluster import REPO, LocalCluster
+from tests.integration.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 
 MAX_QUEUED = 8
 CLIENTS = 4 * MAX_QUEUED
@@ -36,9 +36,7 @@ REPORT = REPO / "bench" / "results" / "overload.json"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("overload") / "pdserve.yaml", transport="tcp",
-                          router={"max_queued_requests": MAX_QUEUED})
-    with LocalCluster(config, num_prefill=1, num_decode=1) as c:
+    with admission_limited_cluster(tmp_path_factory.mktemp("overload"), MAX_QUEUED) as c:
         yield c
 
 

@@ -23,8 +23,8 @@ import pytest
 import requests
 
 from router.openai_api import RETRY_AFTER_S
-from tests.cluster import REPO, LocalCluster, write_config
-from tests.integration.load_clients import Job, RssSampler, run_load
+from tests.cluster import REPO
+from tests.integration.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 from tests.integration.test_overload import process_ids, write_report
 
 DURATION_S = float(os.environ.get("PDSERVE_SOAK_S", "600"))
@@ -39,9 +39,7 @@ REPORT = REPO / "bench" / "results" / "soak.json"
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("soak") / "pdserve.yaml", transport="tcp",
-                          router={"max_queued_requests": MAX_QUEUED})
-    with LocalCluster(config, num_prefill=1, num_decode=1) as c:
+    with admission_limited_cluster(tmp_path_factory.mktemp("soak"), MAX_QUEUED) as c:
         yield c
 
 
@@ -53,6 +51,7 @@ def soak_job(rng: random.Random) -> Job:
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(DURATION_S + 300)  # the load itself runs DURATION_S; the suite-wide 600 s limit would cut it
 def test_soak_mixed_traffic_with_cancellations(cluster):
     with RssSampler(process_ids(cluster)) as rss:
         result = asyncio.run(run_load(cluster.http_url, cluster.router.address, CLIENTS, DURATION_S, soak_job, seed=7,

@@ -59,6 +59,7 @@ BAD_CONFIGS = [
     ({"pools": {"prefill": {"num_gpus": -1}}}, "pools.prefill.num_gpus"),
     ({"kv_transfer": {"transport": "smoke-signals"}}, "kv_transfer.transport"),
     ({"router": {"num_cpus": 0}}, "router.num_cpus"),
+    ({"router": {"stall_timeout_s": -1}}, "router.stall_timeout_s"),
     ({"autoscaler": {"enabled": "yes"}}, "autoscaler.enabled"),
     ({"autoscaler": {"interval_s": 0}}, "autoscaler.interval_s"),
     ({"autoscaler": {"interval_s": "fast"}}, "autoscaler.interval_s"),
