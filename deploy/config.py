@@ -63,8 +63,8 @@ class RouterConfig:
     """Prompts up to this many tokens (with no cached prefix) are prefilled on the decode worker; 0 disables."""
     heartbeat_timeout_s: float = 5.0
     stall_timeout_s: float = 30.0
-    """A request whose decode worker streams nothing for this long after the first token migrates to
-    another decode worker (a hung or paused worker); 0 disables (the client's deadline still applies)."""
+    """A stream silent this long after its first token migrates to another decode worker if its worker
+    is out of rotation by then (missed heartbeats: hung or paused); 0 disables (the deadline still applies)."""
     num_cpus: float = 0.25
     """Logical CPUs the router actor reserves under Ray (it tokenizes and relays; no model)."""
     resources: dict[str, float] = field(default_factory=dict)

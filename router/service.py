@@ -37,7 +37,7 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
-from router.pool import NoWorkerAvailable, WorkerPool
+from router.pool import NoWorkerAvailable, Worker, WorkerPool
 
 log = logging.getLogger(__name__)
 
@@ -305,7 +305,7 @@ class RouterService(pb_grpc.RouterServicer):
                     state.first_logprob = prefill_resp.first_token.logprob
             decoder.in_flight += 1
             try:
-                async for response in self._relay(call, state):
+                async for response in self._relay(call, state, decoder):
                     yield response
                 return
             except DecodeLost as exc:
@@ -382,10 +382,10 @@ class RouterService(pb_grpc.RouterServicer):
         threshold = self.settings.config.local_prefill_threshold
         return not self.pool.has_role("prefill") or 0 < len(prompt_ids) <= threshold
 
-    async def _relay(self, call: DecodeStream, state: _Progress) -> AsyncIterator[pb.GenerateResponse]:
+    async def _relay(self, call: DecodeStream, state: _Progress, decoder: Worker) -> AsyncIterator[pb.GenerateResponse]:
         """Forward one decode worker's stream; raises DecodeLost if the worker goes away mid-stream."""
         try:
-            while (message := await self._next_message(call, state)) is not None:
+            while (message := await self._next_message(call, state, decoder)) is not None:
                 event = message.WhichOneof("event")
                 if event == "chunk":
                     response = self._on_chunk(state, message.chunk)
@@ -401,17 +401,25 @@ class RouterService(pb_grpc.RouterServicer):
             raise
         raise DecodeLost("decode stream ended without finishing")
 
-    async def _next_message(self, call: DecodeStream, state: _Progress) -> pb.DecodeResponse | None:
-        """D's next message. Once tokens flow, silence longer than `stall_timeout_s` means D is hung:
-        DecodeLost, so the request migrates. Near the deadline the call's own deadline decides."""
+    async def _next_message(self, call: DecodeStream, state: _Progress, decoder: Worker) -> pb.DecodeResponse | None:
+        """D's next message. A stream silent for `stall_timeout_s` after its first token is moved off D
+        (DecodeLost) if the pool took D out of rotation meanwhile (missed heartbeats: hung or paused);
+        a D that still heartbeats is only slow (a preempted request waits for blocks) and is waited for.
+        Near the client's deadline the call's own deadline decides."""
         stall = self.settings.config.stall_timeout_s
-        if not stall or state.last_token_at is None or state.remaining() <= stall:
+        if not stall or state.last_token_at is None:
             return await call.read()
+        read = asyncio.ensure_future(call.read())  # never cancelled while waiting: that would cancel the call
         try:
-            return await asyncio.wait_for(call.read(), timeout=stall)
-        except TimeoutError:
-            self.metrics.stalls.inc()
-            raise DecodeLost(f"no token for {stall:g} s (worker hung or paused)") from None
+            while not (await asyncio.wait({read}, timeout=stall))[0]:
+                if not decoder.healthy:
+                    read.cancel()
+                    self.metrics.stalls.inc()
+                    raise DecodeLost(f"no token for {stall:g} s and the worker is out of rotation (hung or paused)")
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        return read.result()
 
     def _on_chunk(self, state: _Progress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
         now = time.monotonic()
