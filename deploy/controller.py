@@ -164,7 +164,7 @@ class Controller:
         host = info.get("node_ip") if info.get("host") in WILDCARDS else info.get("host")
         return {
             "grpc": f"{host}:{info.get('grpc_port')}",
-            "http": f"http://{host}:{info.get('http_port')}",
+            "http": f"{'https' if self.config.security.tls_cert_file else 'http'}://{host}:{info.get('http_port')}",
             "grpc_port": info.get("grpc_port"),
             "http_port": info.get("http_port"),
         }
