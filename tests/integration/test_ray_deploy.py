@@ -277,12 +277,13 @@ def test_autoscaler_grows_and_shrinks_prefill_pool(tmp_path, demo_prompt_ids, se
 
     # idle apart from a trickle of short requests: the pool shrinks back, draining first
     with Load(address, demo_prompt_ids[:3], threads=1, max_tokens=4) as trickle:
-        report = wait_for(lambda: (r := status(serve)) and r["pools"]["prefill"]["replicas"] == 1 and r, 120,
+        # the pool's size drops when the scale-down starts; its event is recorded once the drain is done
+        report = wait_for(lambda: (r := status(serve)) and r["pools"]["prefill"]["replicas"] == 1 and _shrunk(r) and r, 120,
                           "the autoscaler to remove a prefill worker", interval=1.0)
         trickle.wait_ok(1)
     assert not trickle.failures, trickle.failures
     phase(f"prefill pool shrank to 1 ({trickle.ok} trickle requests, none failed)")
-    shrink = [e for e in report["events"] if e["pool"] == "prefill" and e.get("to") == 1]
+    shrink = _shrunk(report)
     assert shrink and shrink[-1]["removed"] and "error" not in shrink[-1]["removed"][0], report["events"]
     print(f"autoscaler events: {[(e['from'], e['to'], e['reason']) for e in report['events'] if e['pool'] == 'prefill']}; "
           f"drained {shrink[-1]['removed'][0]}")
@@ -290,3 +291,8 @@ def test_autoscaler_grows_and_shrinks_prefill_pool(tmp_path, demo_prompt_ids, se
 
     stop_and_check_nothing_left(serve, seen)
     phase("stopped, nothing left")
+
+
+def _shrunk(report: dict) -> list[dict]:
+    """The status report's prefill scale-down events (2 -> 1)."""
+    return [e for e in report["events"] if e["pool"] == "prefill" and e.get("from") == 2 and e.get("to") == 1]
