@@ -265,6 +265,7 @@ class _ReceiverChild:
             return {
                 transport: {
                     "bytes_received": r.stats.bytes_received,
+                    "layers_landed": r.stats.layers_landed,
                     "completed": r.stats.completed,
                     "failed": dict(r.stats.failed),
                     "pending": r.pending,

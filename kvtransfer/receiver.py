@@ -72,6 +72,9 @@ _THREAD_CHECKSUM_BYTES = 256 << 10
 @dataclass
 class ReceiverStats:
     bytes_received: int = 0
+    """KV bytes of completed transfers."""
+    layers_landed: int = 0
+    """Layers written and verified, of completed and unfinished transfers (progress)."""
     completed: int = 0
     failed: Counter[str] = field(default_factory=Counter)
 
@@ -340,6 +343,7 @@ class KVReceiver:
         assert xfer.target is not None
         xfer.target.commit(meta.layer)
         xfer.layer_crcs[meta.layer] = crc
+        self.stats.layers_landed += 1
 
     def _on_trailer(self, streams: dict[int, _Transfer], frame: Frame) -> None:
         xfer = streams.pop(frame.stream, None)

@@ -100,8 +100,9 @@ def test_sender_killed_mid_transfer(cluster: Cluster) -> None:
         tid = f"{transport}-doomed"
         receiver.call("expect", transport, tid, list(range(i * 64, i * 64 + 64)), 1024, 60.0)
         plans.append(plan(receiver.ready[transport], tid, 1024, seed=9, layer_delay_s=0.1))
+    landed = {t: s["layers_landed"] for t, s in receiver.call("stats").items()}
     victim.post("send", plans)
-    time.sleep(1.0)  # a few layers are through
+    _wait_for_layers(receiver, landed)
     victim.kill()
     killed_at = time.monotonic()
     for transport in TRANSPORTS:
@@ -121,8 +122,9 @@ def test_receiver_killed_mid_transfer(cluster: Cluster) -> None:
         tid = f"{transport}-orphan"
         victim.call("expect", transport, tid, list(range(i * 64, i * 64 + 64)), 1024, 60.0)
         plans.append(plan(victim.ready[transport], tid, 1024, seed=3, layer_delay_s=0.1, timeout=30.0))
+    landed = {t: s["layers_landed"] for t, s in victim.call("stats").items()}
     sender.post("send", plans)
-    time.sleep(1.0)
+    _wait_for_layers(victim, landed)
     victim.kill()
     for out in sender.wait_reply(40.0)["transfers"]:
         assert not out["ok"] and out["error"] == "TransferAborted", out
@@ -132,3 +134,11 @@ def test_receiver_killed_mid_transfer(cluster: Cluster) -> None:
     retry = [plan(victim.ready[t], f"{t}-retry", 16, seed=1, timeout=10.0) for t in TRANSPORTS]
     for out in sender.call("send", retry, timeout=30.0)["transfers"]:
         assert not out["ok"] and out["error"] == "TransferAborted", out
+
+
+def _wait_for_layers(receiver, before: dict[str, int], layers: int = 2, timeout: float = 30.0) -> None:
+    """Until every transport's receiver has landed `layers` more layers: the transfers are mid-way."""
+    deadline = time.monotonic() + timeout
+    while any(s["layers_landed"] < before[t] + layers for t, s in receiver.call("stats").items()):
+        assert time.monotonic() < deadline, receiver.call("stats")
+        time.sleep(0.05)

@@ -122,18 +122,20 @@ def test_cli_generate_through_router(cluster, demo_model, hf_greedy):
 def test_router_drain_reports_not_serving_and_finishes_in_flight(cluster, demo_prompt_ids):
     """Runs last in this module: it stops the router."""
     outcome: dict = {}
+    streaming = threading.Event()
 
     def long_request() -> None:
         with grpc.insecure_channel(cluster.router.address) as channel:
             tokens = []
             for response in pb_grpc.RouterStub(channel).Generate(_request(demo_prompt_ids[0], 120, ignore_eos=True), timeout=180):
                 tokens.extend(response.chunk.token_ids)
+                streaming.set()
                 outcome["finish"] = response.finish_reason
             outcome["tokens"] = len(tokens)
 
     thread = threading.Thread(target=long_request)
     thread.start()
-    time.sleep(1.0)
+    assert streaming.wait(120), "the long request never streamed a token"
     cluster.router.popen.send_signal(signal.SIGTERM)
     saw_not_serving = False
     deadline = time.monotonic() + 30
