@@ -8,8 +8,6 @@ receiver, and the next clean transfer through the same sender still succeeds.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
-import json
 import logging
 import time
 
@@ -18,7 +16,7 @@ import torch
 
 from deploy.config import config_from_dict
 from engine.config import ConfigError
-from engine.kv_cache import KVCache, KVLayout
+from engine.kv_cache import KVCache
 from kvtransfer import (
     ChecksumMismatch,
     KVReceiver,
@@ -27,31 +25,13 @@ from kvtransfer import (
     TransferAborted,
     TransferHeader,
     TransferTimeout,
-    fingerprint,
 )
 from kvtransfer.faults import Fault, FaultInjector, FaultKind, FaultPoint
-
-LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
-FP = fingerprint(LAYOUT, json.dumps({"model_type": "tiny"}))
-SRC_BLOCKS = [1, 2, 3, 7, 8]
-DST_BLOCKS = [10, 11, 5, 6, 12]
-N = 18
+from tests.unit.test_kvtransfer_transfer import DST_BLOCKS, FP, LAYOUT, SRC_BLOCKS, TRANSPORTS, N, filled_cache
 
 SPEC = "delay:slow-*:1:300,drop:lost-*:2,truncate:short-*:1,corrupt:flip-*:3,cut:cut-*:2"
 
-HAVE_UCX = importlib.util.find_spec("ucxx") is not None
-TRANSPORTS = ["local", "tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing"))]
-
 pytestmark = pytest.mark.timeout(60)
-
-
-def filled_cache(seed: int = 0) -> KVCache:
-    cache = KVCache(LAYOUT, num_blocks=16)
-    gen = torch.Generator().manual_seed(seed)
-    for layer in range(LAYOUT.num_layers):
-        cache.key_caches[layer].copy_(torch.randn(cache.key_caches[layer].shape, generator=gen))
-        cache.value_caches[layer].copy_(torch.randn(cache.value_caches[layer].shape, generator=gen))
-    return cache
 
 
 @pytest.fixture(params=TRANSPORTS)
