@@ -13,7 +13,7 @@ Lifecycle of a worker actor (created by the controller in its own placement grou
   `stop()`   drain and stop (shutdown; the router has already stopped admitting)
 The controller kills the actor and removes its placement group afterwards.
 
-Security (deploy/security.py) travels inside `config.security`: each actor resolves the shared
+Security (common/security.py) travels inside `config.security`: each actor resolves the shared
 secret itself (YAML value, `shared_secret_file` on its node, or PDSERVE_SHARED_SECRET in the
 environment Ray gave it) and reads the TLS files on its node, so the secret need not be pickled.
 
@@ -32,11 +32,11 @@ import os
 import time
 from typing import TYPE_CHECKING, Any
 
+from common.serving import configure_logging
 from deploy.hosting import ServerThread
-from deploy.serving import configure_logging
 
-if TYPE_CHECKING:  # deploy.config imports the engine (torch); Ray clients of these classes stay light
-    from deploy.config import PdserveConfig
+if TYPE_CHECKING:  # common.config imports the engine (torch); Ray clients of these classes stay light
+    from common.config import PdserveConfig
 
 log = logging.getLogger(__name__)
 

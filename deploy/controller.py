@@ -35,7 +35,7 @@ from deploy.actors import RouterActor, WorkerActor
 from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
 
 if TYPE_CHECKING:  # the config module imports torch (via engine); `pdserve status` must stay light
-    from deploy.config import PdserveConfig, PoolConfig
+    from common.config import PdserveConfig, PoolConfig
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from deploy.serving import ServerControl
+from common.serving import ServerControl
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

@@ -29,7 +29,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from deploy.config import PdserveConfig
+    from common.config import PdserveConfig
 
 log = logging.getLogger(__name__)
 SHUTDOWN_GRACE_S = 30.0
@@ -358,7 +358,7 @@ def _ns() -> str:
 
 def _load(args: argparse.Namespace) -> PdserveConfig | None:
     """The validated config with CLI port overrides, or None after printing the bad field."""
-    from deploy.config import ConfigError, load_config
+    from common.config import ConfigError, load_config
 
     try:
         return load_config(args.config).with_router_ports(getattr(args, "grpc_port", None), getattr(args, "http_port", None))

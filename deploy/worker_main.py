@@ -3,7 +3,7 @@
 Lifecycle: parse flags, load the YAML config once, build the engine (threads from the pool's CPU
 share), start the KV endpoint (decode: receiver; prefill: sender; both sign or check transfer
 headers with the cluster secret when one is set), start the gRPC server (TLS and the secret check
-of deploy/security.py when configured), print
+of common/security.py when configured), print
 the ready line, optionally register with the router and heartbeat, serve until SIGTERM, drain, stop.
 Under Ray (deploy/actors.py) the same `_serve` runs inside an actor with a `ServerControl`: the
 ready info goes to the actor instead of stdout and the actor, not a signal, stops it.
@@ -18,9 +18,9 @@ import logging
 import os
 import uuid
 
-from deploy.config import PdserveConfig, load_config
-from deploy.security import Security
-from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from common.config import PdserveConfig, load_config
+from common.security import Security
+from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from engine import Engine
 from engine.async_engine import AsyncEngine
 
@@ -95,7 +95,7 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
         ready["kv_port"] = receiver.endpoint.port
     registration = None
     if args.router:
-        from router.registry_client import RegistrationLoop
+        from common.registration import RegistrationLoop
 
         registration = RegistrationLoop(args.router, role, worker_id, f"{args.host}:{port}", service, config.model_name, security)
         registration.start()

@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine_config import EngineConfig
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
 from engine.model_loader import LoadedModel, load_model

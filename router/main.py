@@ -17,9 +17,9 @@ import socket
 
 import uvicorn
 
-from deploy.config import PdserveConfig, load_config
-from deploy.security import Security
-from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from common.config import PdserveConfig, load_config
+from common.security import Security
+from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.http_app import build_app
 from router.metrics import RouterMetrics

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from deploy.security import Security
+from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 import grpc
 from google.protobuf.message import DecodeError
 
-from deploy.config import PdserveConfig, RouterConfig
+from common.config import PdserveConfig, RouterConfig
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.tokenization import encode_chat, encode_prompt

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deploy.config import RouterConfig
+from common.config import RouterConfig
 from engine.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.metrics import RouterMetrics

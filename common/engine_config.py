@@ -1,18 +1,17 @@
-"""Engine configuration: one typed object, validated once, errors name the field."""
+"""Engine configuration: one typed object, validated once, errors name the field.
+
+Torch-free (it sits in common/, below the engine): the router, the launcher and the config loader
+read it without loading the model runtime.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
-MiB = 1 << 20
+from common.validation import ConfigError, one_of, positive_int, reject_unknown
 
-
-class ConfigError(ValueError):
-    """A configuration field is invalid; `field` is its dotted name."""
-
-    def __init__(self, field: str, message: str):
-        self.field = field
-        super().__init__(f"{field}: {message}")
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+OPTIONAL = ("num_kv_blocks", "max_model_len", "num_threads")
 
 
 @dataclass(frozen=True)
@@ -40,31 +39,17 @@ class EngineConfig:
         self.validate()
 
     def validate(self, prefix: str = "engine") -> None:
-        def positive(name: str, value: int | None, allow_none: bool = False) -> None:
-            if value is None and allow_none:
-                return
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"{prefix}.{name}", f"must be an integer >= 1, got {value!r}")
-
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"{prefix}.model", "must be a non-empty string")
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"{prefix}.dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.block_size not in (8, 16, 32, 64, 128):
-            raise ConfigError(f"{prefix}.block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
-        positive("kv_cache_memory_mb", self.kv_cache_memory_mb)
-        positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
-        positive("max_model_len", self.max_model_len, allow_none=True)
-        positive("max_num_batched_tokens", self.max_num_batched_tokens)
-        positive("max_num_seqs", self.max_num_seqs)
-        positive("num_threads", self.num_threads, allow_none=True)
+        one_of(f"{prefix}.block_size", self.block_size, BLOCK_SIZES)
+        for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads"):
+            positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)
 
     @classmethod
     def from_dict(cls, data: dict, prefix: str = "engine") -> EngineConfig:
-        known = {f.name for f in fields(cls)}
-        for key in data:
-            if key not in known:
-                raise ConfigError(f"{prefix}.{key}", f"unknown field (known: {', '.join(sorted(known))})")
+        reject_unknown(data, cls, prefix + ".")
         try:
             return cls(**data)
         except ConfigError as exc:

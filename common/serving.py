@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deploy.security import Security
+from common.security import Security
 
 log = logging.getLogger(__name__)
 
