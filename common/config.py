@@ -277,6 +277,12 @@ class PdserveConfig:
         router.validate("router")
         return dataclasses.replace(self, router=router)
 
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of a `role` worker: torch threads default to its pool's CPU share."""
+        pool = getattr(self.pools, role)
+        threads = self.engine.num_threads or pool.num_threads or max(1, int(pool.num_cpus))
+        return dataclasses.replace(self.engine, num_threads=threads)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 

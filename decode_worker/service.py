@@ -22,11 +22,12 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.serving import wait_idle
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from kvtransfer import KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto
+from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -55,8 +56,6 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.admission_timeout_s = admission_timeout_s
         self.in_flight = 0
         self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         if self.draining:
@@ -174,16 +173,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:
         self.draining = True
-        await self._idle.wait()
+        await wait_idle(lambda: self.in_flight)
 
     def _enter(self) -> None:
         self.in_flight += 1
-        self._idle.clear()
 
     def _leave(self) -> None:
         self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
 
 
 def _finished(request_id: str, reason: int, error: pb.Error | None = None) -> pb.DecodeResponse:
@@ -194,20 +190,3 @@ def _kv_error(exc: KVTransferError) -> pb.Error:
     code = pb.ErrorCode.Value(f"ERROR_CODE_KV_{exc.code.name}") if f"ERROR_CODE_KV_{exc.code.name}" in pb.ErrorCode.keys() else pb.ERROR_CODE_INTERNAL
     return pb.Error(code=code, message=str(exc))
 
-
-async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining: bool, **extra) -> pb.WorkerStats:
-    s = await engine.stats()
-    return pb.WorkerStats(
-        worker_id=worker_id,
-        role=role,
-        queued_requests=s.num_waiting + s.num_waiting_for_kv,
-        queued_prompt_tokens=s.queued_prompt_tokens,
-        running_requests=s.num_running,
-        free_kv_blocks=s.free_blocks,
-        total_kv_blocks=s.total_blocks,
-        prefix_cache_hit_tokens=s.prefix_hit_tokens,
-        prefix_cache_queried_tokens=s.prefix_query_tokens,
-        draining=draining,
-        timestamp_s=time.time(),
-        **extra,
-    )

@@ -15,20 +15,19 @@ Any failure aborts the transfer (the receiver frees its blocks) and fails the ca
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
 
 import grpc
 
-from decode_worker.service import worker_stats
+from common.serving import wait_idle
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sequence import Sequence
 from kvtransfer import KVEndpoint, KVSender, KVTransferError, TransferHeader
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, sampling_from_proto
+from proto.convert import chunk_from_output, sampling_from_proto, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -141,8 +140,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def drain(self, grace_s: float) -> None:
         self.draining = True
-        while self.in_flight:
-            await asyncio.sleep(0.05)
+        await wait_idle(lambda: self.in_flight)
 
 
 def _first_token(token_id: int, out) -> pb.FirstToken:

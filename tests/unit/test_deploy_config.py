@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from common.config import AutoscalerConfig, ConfigError, config_from_dict, load_config
-from deploy.launcher import custom_resources, logical_cpus, parse_scale_targets
+from deploy.commands import custom_resources, logical_cpus, parse_scale_targets
 from tests.cluster import REPO
 
 

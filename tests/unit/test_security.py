@@ -92,7 +92,7 @@ def tls_files(tmp_path_factory) -> TLSFiles:
 
 
 def test_defaults_bind_loopback_and_have_no_secret(monkeypatch):
-    from deploy.worker_main import parse_args
+    from common.worker import parse_args
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     config = config_from_dict({})
