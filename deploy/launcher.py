@@ -34,7 +34,8 @@ from ray.util.placement_group import get_placement_group, remove_placement_group
 
 from common.config import PdserveConfig
 from deploy.commands import SHUTDOWN_GRACE_S, custom_resources, format_status, logical_cpus, parse_scale_targets
-from deploy.controller import CONTROLLER_NAME, NAMESPACE, Controller, DeployOptions
+from deploy.controller import CONTROLLER_NAME, Controller, DeployOptions
+from deploy.placement import NAMESPACE
 
 log = logging.getLogger(__name__)
 

@@ -16,10 +16,12 @@ import os
 import socket
 
 import uvicorn
+from transformers import AutoConfig, AutoTokenizer
 
 from common.config import PdserveConfig, load_config
 from common.security import Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving, wait_idle
+from engine.model_loader import resolve_model_path
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.http_app import build_app
 from router.metrics import RouterMetrics
@@ -44,10 +46,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_tokenizer_and_context(config: PdserveConfig):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from engine.model_loader import resolve_model_path
-
     path = resolve_model_path(config.engine.model)
     if path.endswith(".gguf"):
         directory, kwargs = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
