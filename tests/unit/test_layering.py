@@ -133,8 +133,10 @@ def test_plugins_resolve():
 
 
 TORCH_FREE = """
-import sys
-import router, router.client
+import importlib, pkgutil, sys
+import common, router, router.client
+for info in pkgutil.iter_modules(common.__path__):  # common/ is torch-free, every module of it
+    importlib.import_module(f"common.{info.name}")
 from deploy import cli
 # `pdserve generate --router` end to end, against a port nobody listens on: the client's real path
 code = cli.main(["generate", "hi", "--router", "127.0.0.1:9", "--timeout", "5"])
@@ -143,7 +145,7 @@ print(code, ",".join(heavy) or "-")
 """
 
 
-def test_router_and_generate_client_do_not_load_torch():
+def test_common_router_and_generate_client_do_not_load_torch():
     result = subprocess.run([sys.executable, "-c", TORCH_FREE], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
     assert result.returncode == 0, result.stderr
     code, heavy = result.stdout.split()
