@@ -1,4 +1,4 @@
-"""Host an asyncio server (the router's `serve`, a worker's `_serve`) inside another process.
+"""Host an asyncio server (the router's `serve`, a worker's `serve`) inside another process.
 
 Lifecycle of a `ServerThread`: `start()` runs the server coroutine on a fresh event loop in a
 daemon thread and blocks until the server called `control.ready(...)` (returns its ready info) or
