@@ -435,10 +435,10 @@ class RawUcxMethod(Method):
 
 
 class ProtocolMethod(Method):
-    """KVSender and KVReceiver children (kvtransfer.loopback) for one ProtocolConfig."""
+    """KVSender and KVReceiver children (kvtransfer.testing.loopback) for one ProtocolConfig."""
 
     def __init__(self, config: ProtocolConfig, tokens: list[int]):
-        from kvtransfer.loopback import Peer, PeerSpec
+        from kvtransfer.testing.loopback import Peer, PeerSpec
 
         self.config = config
         self.tokens = tokens
@@ -481,7 +481,7 @@ class ProtocolMethod(Method):
         return out
 
     def stop(self) -> None:
-        from kvtransfer.loopback import Peer
+        from kvtransfer.testing.loopback import Peer
 
         Peer.stop_all([self.receiver, self.sender])
 

@@ -301,8 +301,6 @@ class RouterService(pb_grpc.RouterServicer):
                 return
             if prefill_resp is not None:
                 self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(prefill_resp.kv_bytes_sent)
-                if prefill_resp.first_token.HasField("logprob"):
-                    state.first_logprob = prefill_resp.first_token.logprob
             decoder.in_flight += 1
             try:
                 async for response in self._relay(call, state, decoder):
@@ -431,10 +429,6 @@ class RouterService(pb_grpc.RouterServicer):
             self.metrics.itl.observe(now - state.last_token_at)
         state.last_token_at = now
         chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids, logprobs=worker_chunk.logprobs)
-        if state.first_logprob is not None:  # sampled on the prefill worker: D streams the token without it
-            if len(chunk.logprobs) < len(chunk.token_ids):
-                chunk.logprobs.insert(0, state.first_logprob)
-            state.first_logprob = None
         state.generated.extend(chunk.token_ids)
         self.metrics.tokens.inc(len(chunk.token_ids))
         if state.detok is not None:
@@ -472,7 +466,6 @@ class _Progress:
     last_token_at: float | None = None
     cached_prompt_tokens: int = 0
     attempts: int = 0
-    first_logprob: pb.Logprob | None = None
 
     def remaining(self) -> float:
         """Seconds left before the client's deadline (what every worker call may take)."""
