@@ -28,7 +28,7 @@ from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.pool import NoWorkerAvailable, Worker, WorkerPool
 from router.progress import Progress
-from router.relay import DecodeLost, DecodeRelay, DecodeStream, remember_first_logprob
+from router.relay import DecodeLost, DecodeRelay, DecodeStream
 from router.settings import RouterSettings
 from router.validation import Validated
 
@@ -92,7 +92,6 @@ class Orchestrator:
                 continue
             if attempt.prefill is not None:
                 self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(attempt.prefill.kv_bytes_sent)
-                remember_first_logprob(state, attempt.prefill)
             decoder = attempt.decoder
             decoder.in_flight += 1
             try:

@@ -31,8 +31,6 @@ class Progress:
     last_token_at: float | None = None
     cached_prompt_tokens: int = 0
     attempts: int = 0
-    first_logprob: pb.Logprob | None = None
-    """The first token's logprob, sampled on the prefill worker (see `relay.splice_first_logprob`)."""
 
     def remaining(self) -> float:
         """Seconds left before the client's deadline (what every worker call may take)."""

@@ -47,20 +47,6 @@ class DecodeStream:
         self._call.cancel()
 
 
-def remember_first_logprob(state: Progress, prefill: pb.PrefillResponse) -> None:
-    """The prefill worker sampled the first token; D streams that token without its logprob."""
-    if prefill.first_token.HasField("logprob"):
-        state.first_logprob = prefill.first_token.logprob
-
-
-def splice_first_logprob(state: Progress, chunk: pb.TokenChunk) -> None:
-    """Puts the logprob kept by `remember_first_logprob` back in front of D's first chunk."""
-    if state.first_logprob is not None:
-        if len(chunk.logprobs) < len(chunk.token_ids):
-            chunk.logprobs.insert(0, state.first_logprob)
-        state.first_logprob = None
-
-
 class DecodeRelay:
     def __init__(self, stall_timeout_s: float, metrics: RouterMetrics):
         self.stall_timeout_s, self.metrics = stall_timeout_s, metrics
@@ -114,7 +100,6 @@ class DecodeRelay:
             self.metrics.itl.observe(now - state.last_token_at)
         state.last_token_at = now
         chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids, logprobs=worker_chunk.logprobs)
-        splice_first_logprob(state, chunk)
         state.generated.extend(chunk.token_ids)
         self.metrics.tokens.inc(len(chunk.token_ids))
         if state.detok is not None:

@@ -1,4 +1,4 @@
-"""The full kvtransfer protocol between two child processes (kvtransfer.loopback): KVSender ->
+"""The full kvtransfer protocol between two child processes (kvtransfer.testing.loopback): KVSender ->
 KVReceiver into a KVCache, per-layer checksums, trailer, ack; one `ProtocolMethod` per
 `ProtocolConfig` (transport, environment, transport options, zero copy or staging)."""
 
@@ -31,10 +31,10 @@ PROTOCOL_CONFIGS = (
 
 
 class ProtocolMethod(Method):
-    """KVSender and KVReceiver children (kvtransfer.loopback) for one ProtocolConfig."""
+    """KVSender and KVReceiver children (kvtransfer.testing.loopback) for one ProtocolConfig."""
 
     def __init__(self, config: ProtocolConfig, tokens: list[int]):
-        from kvtransfer.loopback import Peer, PeerSpec
+        from kvtransfer.testing.loopback import Peer, PeerSpec
 
         self.config = config
         self.tokens = tokens
@@ -77,7 +77,7 @@ class ProtocolMethod(Method):
         return out
 
     def stop(self) -> None:
-        from kvtransfer.loopback import Peer
+        from kvtransfer.testing.loopback import Peer
 
         Peer.stop_all([self.receiver, self.sender])
 
