@@ -118,7 +118,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 return
             kv_done = time.monotonic()
             first = Sample(received.first_token, received.first_logprob, received.first_top_logprobs)
-            await self.engine.commit_remote_kv(request_id, first)  # the stream's first output
+            self.engine.commit_remote_kv(request_id, first)  # the stream's first output, at once
             committed = True
             reached(self.fault_point, "decode.after_transfer", request_id)
             timings = pb.StageTimings(decode_admission_s=admitted - started, kv_transfer_s=kv_done - admitted)

@@ -109,14 +109,12 @@ class AsyncEngine:
         """Blocks to receive the prompt's KV into, or None when the pool has no room now."""
         return await self._call(lambda: self._engine.add_remote_request(request_id, prompt_token_ids, params))
 
-    async def commit_remote_kv(self, request_id: str, first: Sample) -> None:
+    def commit_remote_kv(self, request_id: str, first: Sample) -> None:
         """The KV has landed: `first` (sampled by the prefill worker) becomes the first output of the
-        request's stream at once, and the request decodes from the next step on."""
-
-        def commit() -> None:
-            self._deliver(request_id, self._engine.commit_remote_kv(request_id, first))
-
-        await self._call(commit)
+        request's stream at once, and the request decodes from the next step on (the commit is queued
+        before that step; nothing waits for the step boundary)."""
+        self._deliver(request_id, self._engine.accept_first_token(request_id, first))
+        self._submit(lambda: self._engine.commit_remote_kv(request_id))
 
     # ---- prefill-only requests (prefill worker) -------------------------------------------------
     async def prompt_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -172,8 +170,7 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(lambda: self._engine.abort(request_id))
-                self._wakeup.set()
+                self._submit(lambda: self._engine.abort(request_id))
 
     def _loop(self) -> None:
         while self._running:
@@ -195,6 +192,11 @@ class AsyncEngine:
             self._engine.abort(request_id)
         for out in self._engine.step() if self._engine.has_work() else []:
             self._deliver(out.request_id, out)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        """Queue `command` for the engine thread's next step boundary without waiting for it."""
+        self._commands.put(command)
+        self._wakeup.set()
 
     def _run_commands(self) -> None:
         while True:

@@ -114,21 +114,30 @@ class Engine:
         self._requests[request_id] = seq
         return list(seq.block_ids)
 
-    def commit_remote_kv(self, request_id: str, first: Sample) -> RequestOutput:
+    def accept_first_token(self, request_id: str, first: Sample) -> RequestOutput:
         """The prompt's KV is in the request's blocks and the prefill worker sampled `first` (with its
-        logprobs when asked): the request runs from here; returns its first output."""
-        seq = self._requests[request_id]
-        if seq.state is not RequestState.WAITING_FOR_REMOTE_KV:
+        logprobs when asked): append it and return the request's first output. This touches only that
+        request, which no step schedules before `commit_remote_kv`, so the async front may call it the
+        moment the KV is validated instead of waiting for the next step boundary."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.state is not RequestState.WAITING_FOR_REMOTE_KV or seq.output_token_ids:
             raise InvalidRequestError("request_id", f"{request_id!r} is not waiting for remote KV")
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.blocks.commit_computed(seq)
         out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens)
         self._emit(seq, first, out)
+        return out
+
+    def commit_remote_kv(self, request_id: str) -> None:
+        """After `accept_first_token`: the prompt's blocks join the prefix cache and the request runs
+        from the next step (or is freed, when its first token already finished it)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return  # aborted in between
+        self.blocks.commit_computed(seq)
         if seq.state.finished:
             self._finish(seq)
         else:
             self.scheduler.add_running(seq)
-        return out
 
     def abort(self, request_id: str) -> None:
         seq = self._requests.get(request_id)

@@ -53,7 +53,7 @@ async def test_prefill_sink_then_remote_decode_matches_hf(demo_model, demo_promp
         for layer, (k, v) in enumerate(layers):
             decode.kv_cache.write_tokens(layer, blocks, k, v)  # what a KV receiver does
         sampled = Sample(first.new_token_ids[0], first.logprobs[0], first.top_logprobs[0])
-        await decode.commit_remote_kv("r", sampled)
+        decode.commit_remote_kv("r", sampled)
         outputs = [out async for out in decode.generate_remote("r", stream)]
     finally:
         prefill.stop()
@@ -71,7 +71,8 @@ async def test_prefill_sink_then_remote_decode_matches_hf(demo_model, demo_promp
 def test_request_that_ends_at_its_first_token_frees_its_blocks(demo_model, demo_prompt_ids):
     engine = make_engine(demo_model, max_model_len=256)
     assert engine.add_remote_request("one", demo_prompt_ids[1], SamplingParams(max_tokens=1))
-    out = engine.commit_remote_kv("one", Sample(42))
+    out = engine.accept_first_token("one", Sample(42))
+    engine.commit_remote_kv("one")
     assert out.new_token_ids == [42] and out.finished and out.finish_reason.value == "length"
     assert out.logprobs == []  # none asked for, none carried
     assert run_to_completion(engine) == {}
