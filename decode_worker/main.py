@@ -18,19 +18,21 @@ from decode_worker.service import DecodeService
 from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import KVReceiver, fingerprint
+from kvtransfer.faults import FaultPoint
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 ROLE = "decode"
 
 
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
+    fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
     engine = AsyncEngine(Engine(config.engine_for(ROLE)))
     engine.start()
     kv = config.kv_transfer
-    model_fingerprint = fingerprint(engine.engine.layout, engine.engine.loaded.config.to_json_string())
-    receiver = KVReceiver(engine.engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
+    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
+    receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
     await receiver.start()
-    service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s)
+    service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point)
 
     async def close() -> None:
         await receiver.close()

@@ -1,8 +1,8 @@
 """`python -m prefill_worker`: the prefill worker's parts, served by common/worker.py's `run_worker`.
 
-Parts: an engine in prefill-only use (torch threads from the pool's CPU share), a `KVSender`
-(faults from `kv_transfer.faults`, transfer headers signed with the cluster secret) and the
-`PrefillService`. Closing stops the sender's I/O thread, then the engine.
+Parts: an engine in prefill-only use (torch threads from the pool's CPU share) whose KV layer
+sink is the `LayerStreamer` (with `kv_transfer.layerwise`), a `KVSender` (faults from
+`kv_transfer.faults`, transfer headers signed with the cluster secret) and the `PrefillService`. Closing stops the sender's I/O thread, then the engine.
 """
 
 from __future__ import annotations
@@ -17,19 +17,22 @@ from common.worker import WorkerParts, run_worker, worker_main
 from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import FaultInjector, KVSender, fingerprint
-from prefill_worker.service import PrefillService
+from kvtransfer.faults import FaultPoint
+from prefill_worker.service import LayerStreamer, PrefillService
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 ROLE = "prefill"
 
 
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
-    engine = AsyncEngine(Engine(config.engine_for(ROLE)))
-    engine.start()
     kv = config.kv_transfer
-    model_fingerprint = fingerprint(engine.engine.layout, engine.engine.loaded.config.to_json_string())
+    fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
+    streamer = LayerStreamer(fault_point) if kv.layerwise else None
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer))
+    engine.start()
+    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
     sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret)
-    service = PrefillService(engine, sender, model_fingerprint, worker_id, layerwise=kv.layerwise, ack_timeout_s=kv.timeout_s)
+    service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)
 
     async def close() -> None:
         await asyncio.to_thread(sender.close)
