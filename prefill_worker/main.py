@@ -2,7 +2,8 @@
 
 Parts: an engine in prefill-only use (torch threads from the pool's CPU share) whose KV layer
 sink is the `LayerStreamer` (with `kv_transfer.layerwise`), a `KVSender` (faults from
-`kv_transfer.faults`, transfer headers signed with the cluster secret) and the `PrefillService`. Closing stops the sender's I/O thread, then the engine.
+`kv_transfer.faults`, transfer headers signed with the cluster secret) and the `PrefillService`.
+Closing stops the sender's I/O thread, then the engine.
 """
 
 from __future__ import annotations
