@@ -24,6 +24,11 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_mb: int = 512
     """Memory budget of the paged KV pool; the number of blocks follows from it."""
+    kv_cache_memory_fraction: float | None = None
+    """CUDA: share of the device memory free after loading the weights for the KV pool (overrides
+    kv_cache_memory_mb there; ignored on CPU)."""
+    cuda_graph_max_batch: int = 256
+    """CUDA: pure decode steps up to this batch replay CUDA graphs captured at batch buckets (0: never)."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks (overrides kv_cache_memory_mb; tests use it to force preemption)."""
     max_model_len: int | None = None
@@ -53,6 +58,13 @@ class EngineConfig:
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ConfigError(f"{prefix}.block_size", f"must be one of 8, 16, 32, 64, 128, got {self.block_size!r}")
         positive("kv_cache_memory_mb", self.kv_cache_memory_mb)
+        if not (isinstance(self.device, str) and (self.device == "cpu" or self.device.split(":")[0] == "cuda")):
+            raise ConfigError(f"{prefix}.device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (isinstance(fraction, bool) or not isinstance(fraction, int | float) or not 0 < fraction < 1):
+            raise ConfigError(f"{prefix}.kv_cache_memory_fraction", f"must be a number in (0, 1), got {fraction!r}")
+        if not isinstance(self.cuda_graph_max_batch, int) or isinstance(self.cuda_graph_max_batch, bool) or self.cuda_graph_max_batch < 0:
+            raise ConfigError(f"{prefix}.cuda_graph_max_batch", f"must be an integer >= 0, got {self.cuda_graph_max_batch!r}")
         positive("num_kv_blocks", self.num_kv_blocks, allow_none=True)
         positive("max_model_len", self.max_model_len, allow_none=True)
         positive("max_num_batched_tokens", self.max_num_batched_tokens)
