@@ -45,9 +45,9 @@ def hf_greedy(model: torch.nn.Module, prompts: list[list[int]], max_new: int) ->
     return outs
 
 
-def engine_greedy(engine: Engine, prompts: list[list[int]], max_new: int, prefix: str = "g") -> list[list[int]]:
+def engine_greedy(engine: Engine, prompts: list[list[int]], max_new: int, prefix: str = "g", ignore_eos: bool = False) -> list[list[int]]:
     for i, p in enumerate(prompts):
-        engine.add_request(f"{prefix}{i}", p, SamplingParams(max_tokens=max_new))
+        engine.add_request(f"{prefix}{i}", p, SamplingParams(max_tokens=max_new, ignore_eos=ignore_eos))
     tokens: dict[str, list[int]] = {}
     while engine.has_work():
         for out in engine.step():

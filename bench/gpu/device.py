@@ -44,7 +44,7 @@ def copy_rate_gbps(device: str, nbytes: int, iters: int = 10) -> dict:
     dst = torch.empty_like(src)
     t = time_ms(lambda: dst.copy_(src), device, iters)
     copied = nbytes / (t["ms_min"] / 1e3) / 1e9
-    return {"bytes": nbytes, "copy_gbps": round(copied, 1), "hbm_gbps": round(2 * copied, 1), **t}
+    return {"bytes": nbytes, "copy_gbps": round(copied, 3), "hbm_gbps": round(2 * copied, 3), **t}
 
 
 def describe(device: str) -> dict:

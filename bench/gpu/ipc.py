@@ -44,8 +44,8 @@ def _child(inbox, outbox, block_ids: list[int], iters: int) -> None:
         nbytes = n * pool[0].numel() * pool.element_size()
         outbox.put({
             "bytes": nbytes, "bytes_identical": ok, "ipc_device": device,
-            "contiguous_gbps": round(nbytes / cont_best / 1e9, 1), "contiguous_gbps_median": round(nbytes / cont_med / 1e9, 1),
-            "gather_gbps": round(nbytes / gath_best / 1e9, 1), "gather_gbps_median": round(nbytes / gath_med / 1e9, 1),
+            "contiguous_gbps": round(nbytes / cont_best / 1e9, 3), "contiguous_gbps_median": round(nbytes / cont_med / 1e9, 3),
+            "gather_gbps": round(nbytes / gath_best / 1e9, 3), "gather_gbps_median": round(nbytes / gath_med / 1e9, 3),
         })
     except Exception as exc:  # reported by the parent
         outbox.put({"error": f"{type(exc).__name__}: {exc}"})
@@ -80,6 +80,6 @@ def host_staged(device: str, nbytes: int, iters: int = 10) -> dict:
     d2h, _ = _timed(lambda: host.copy_(src), device, iters)
     h2d, _ = _timed(lambda: dst.copy_(host), device, iters)
     return {
-        "bytes": nbytes, "pinned": pinned, "d2h_gbps": round(nbytes / d2h / 1e9, 1), "h2d_gbps": round(nbytes / h2d / 1e9, 1),
-        "staged_gbps": round(nbytes / (d2h + h2d) / 1e9, 1),
+        "bytes": nbytes, "pinned": pinned, "d2h_gbps": round(nbytes / d2h / 1e9, 3), "h2d_gbps": round(nbytes / h2d / 1e9, 3),
+        "staged_gbps": round(nbytes / (d2h + h2d) / 1e9, 3),
     }
