@@ -28,18 +28,26 @@ from bench.gpu.settings import CheckSettings, quick
 TARGETS = {"engine_over_hf_static": 5.0, "engine_over_hf_continuous": 1.5, "decode_b128_fraction_of_bound": 0.5, "kv_ipc_over_memcpy": 0.25}
 
 
-def run(s: CheckSettings, out: str | None) -> Report:
+SECTIONS = ("correctness", "engine_throughput", "hf_static", "hf_continuous", "decode_step", "kv_transfer", "disaggregated")
+
+
+def run(s: CheckSettings, out: str | None, only: tuple[str, ...] = SECTIONS) -> Report:
     folder = out_dir(out)
     report = Report(folder / "gpu_check.json", {"machine": describe(s.device), "settings": s.__dict__, "targets": TARGETS})
     log(f"gpu check on {s.device} (quick={s.quick}): {report.data['machine']}")
     m = sections.Models(s)
-    report.section("correctness", s.budget("correctness"), lambda: sections.section_correctness(s))
-    report.section("engine_throughput", s.budget("engine_throughput"), lambda: sections.section_engine_throughput(m))
-    report.section("hf_static", s.budget("hf_static"), lambda: sections.section_hf_static(m))
-    report.section("hf_continuous", s.budget("hf_continuous"), lambda: sections.section_hf_continuous(m))
-    report.section("decode_step", s.budget("decode_step"), lambda: sections.section_decode_step(m))
-    report.section("kv_transfer", s.budget("kv_transfer"), lambda: sections.section_kv_transfer(m))
-    report.section("disaggregated", s.budget("disaggregated"), lambda: section_disaggregated(s))
+    runners = {
+        "correctness": lambda: sections.section_correctness(s),
+        "engine_throughput": lambda: sections.section_engine_throughput(m),
+        "hf_static": lambda: sections.section_hf_static(m),
+        "hf_continuous": lambda: sections.section_hf_continuous(m),
+        "decode_step": lambda: sections.section_decode_step(m),
+        "kv_transfer": lambda: sections.section_kv_transfer(m),
+        "disaggregated": lambda: section_disaggregated(s),
+    }
+    for name in SECTIONS:
+        if name in only:
+            report.section(name, s.budget(name), runners[name])
     report.put("summary", summarize(report.data["sections"]))
     (folder / "gpu_check.txt").write_text(summary_text(report.data))
     log(f"wrote {report.path} and {folder / 'gpu_check.txt'}")
@@ -95,12 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="folder for gpu_check.json/.txt (default $OUT, else ./gpu_out)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (minutes on a CPU): how the check is tested")
     parser.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda when available")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     args = parser.parse_args(argv)
+    only = tuple(x for x in args.sections.split(",") if x)
+    unknown = [x for x in only if x not in SECTIONS]
+    if unknown:
+        parser.error(f"--sections: unknown {unknown}; known: {', '.join(SECTIONS)}")
     device = args.device or ("cuda" if has_cuda() else "cpu")
     if device == "cuda" and not has_cuda():
         parser.error("--device cuda: torch sees no CUDA device")
     settings = quick(device) if args.quick else CheckSettings(device=device)
-    report = run(settings, args.out)
+    report = run(settings, args.out, only)
     sys.stderr.write(summary_text(report.data))
     return 0
 

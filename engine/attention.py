@@ -24,7 +24,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from engine import attention_batched
 from engine.attention_batched import BatchedMetadata
@@ -189,12 +188,9 @@ def _prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """The packed batch carries its own structure; transformers must not build a dense mask."""
-    return None
-
-
 def register() -> str:
+    """Register the attention function. No mask function: for an implementation it has no mask function
+    for, transformers skips mask preparation entirely, including its packed-sequence detection, which
+    would read a device value (a host sync every step, and no CUDA graph capture)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION

@@ -11,7 +11,7 @@ export PYTHONUNBUFFERED=1
 export PYTHONPATH=${PYTHONPATH:-$PWD}
 OUT=${OUT:-$PWD/gpu_out}; export OUT; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
-timeout --signal=TERM --kill-after=15 ${PDSERVE_GPU_CHECK_TIMEOUT:-540} "$PY" -m bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
+timeout --signal=TERM --kill-after=15 ${PDSERVE_GPU_CHECK_TIMEOUT:-500} "$PY" -m bench.gpu_check --out "$OUT" "$@" 2>&1 | tee "$OUT/gpu_check.log"
 status=${PIPESTATUS[0]}
 echo "gpu check exit $status; files: $(ls "$OUT" | tr '\n' ' ')"
 exit "$status"

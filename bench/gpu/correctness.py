@@ -70,3 +70,20 @@ def compare(engine_out: list[list[int]], hf_out: list[list[int]]) -> dict:
             diffs.append({"prompt": i, "position": pos, "engine": a[pos : pos + 1], "hf": b[pos : pos + 1]})
     n = len(hf_out)
     return {"prompts": n, "identical": n - len(diffs), "identical_share": round((n - len(diffs)) / max(n, 1), 4), "diffs": diffs[:8]}
+
+
+def prefilled(engine: Engine, batch: int, context: int, max_tokens: int) -> list:
+    """`batch` requests of `context` random tokens, prefilled, each with the block for its next token:
+    ready for timed decode steps (`ScheduledSeq(seq, 1)`); abort them when done."""
+    gen = torch.Generator().manual_seed(batch)
+    ids = [f"dec{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        prompt = torch.randint(100, engine.vocab_size - 100, (context,), generator=gen).tolist()
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+    while any(not engine._requests[r].output_token_ids for r in ids):
+        engine.step()
+    seqs = [engine._requests[r] for r in ids]
+    for seq in seqs:  # the block of the next token's slot, as the scheduler would allocate it
+        if not engine.blocks.grow(seq, seq.num_computed_tokens + 1):
+            raise RuntimeError("no KV block for the timed decode step")
+    return seqs

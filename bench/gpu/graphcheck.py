@@ -1,60 +1,39 @@
-"""Can one engine decode step be captured as a CUDA graph, and does its replay give the eager logits?
+"""Do the engine's decode CUDA graphs give the eager logits, and how much faster are they?
 
-Runs `batch` short requests through prefill, schedules one decode step, builds the runner's inputs
-once, runs the model eagerly, captures the same call in a `torch.cuda.graph` (after a warm-up on a
-side stream, as capture requires) and replays it. Replaying rewrites the same K/V into the same slots.
+Prefills `batch` requests, then runs the same decode step (rewriting the same K/V slots) through the
+runner with its captured graphs and again with the graphs set aside (eager, same decode kernel).
 """
 
 from __future__ import annotations
 
-import time
+from bench.gpu.correctness import prefilled
+from bench.gpu.device import time_ms
+from engine import Engine
+from engine.scheduler import ScheduledSeq
 
-import torch
 
-from engine import Engine, SamplingParams
-
-
-def capture_decode_step(engine: Engine, batch: int) -> dict:
-    for i in range(batch):
-        engine.add_request(f"cap{i}", list(range(100 + i, 120 + 3 * i)), SamplingParams(max_tokens=8, ignore_eos=True))
-    while any(not engine._requests[f"cap{i}"].output_token_ids for i in range(batch)):
-        engine.step()
-    plan = engine.scheduler.schedule()
+def capture_decode_step(engine: Engine, batch: int, iters: int = 20) -> dict:
     runner = engine.runner
-    ordered = sorted(plan.scheduled, key=lambda s: s.seq.num_computed_tokens)
-    if any(s.num_tokens != 1 for s in ordered):
-        raise RuntimeError("the scheduled step is not a pure decode step")
-    ids, positions, slots, rows = runner._pack(ordered)
-    meta = runner._metadata(ordered, len(ordered), slots, None)
-
-    def step():
-        return runner.model(input_ids=ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, logits_to_keep=rows, paged=meta).logits
-
-    with torch.inference_mode():
-        eager = step().clone()
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            static_out = step()
-        graph.replay()
-        torch.cuda.synchronize()
-        err = float((static_out - eager).abs().max())
-        t0 = time.perf_counter()
-        for _ in range(20):
-            graph.replay()
-        torch.cuda.synchronize()
-        replay_ms = (time.perf_counter() - t0) / 20 * 1e3
-        t0 = time.perf_counter()
-        for _ in range(20):
-            step()
-        torch.cuda.synchronize()
-        eager_ms = (time.perf_counter() - t0) / 20 * 1e3
-    for i in range(batch):
-        engine.abort(f"cap{i}")
-    if err > 1e-4:
+    if runner.graphs is None:
+        raise RuntimeError(f"the engine captured no CUDA graphs (decode kernel {runner.decode_kernel!r})")
+    seqs = prefilled(engine, batch, 40, 8)
+    try:
+        items = [ScheduledSeq(seq, 1) for seq in seqs]
+        device = str(runner.device)
+        graph_logits = runner.execute(items)[1].float().clone()
+        graph_ms = time_ms(lambda: runner.execute(items), device, iters)
+        saved, runner.graphs = runner.graphs, None
+        try:
+            eager_logits = runner.execute(items)[1].float()
+            eager_ms = time_ms(lambda: runner.execute(items), device, iters)
+        finally:
+            runner.graphs = saved
+        err = float((graph_logits - eager_logits).abs().max())
+    finally:
+        for seq in seqs:
+            engine.abort(seq.request_id)
+        engine.step()
+    if err > 1e-3:
         raise RuntimeError(f"graph replay differs from eager by {err}")
-    return {"batch": batch, "max_abs_err": err, "replay_ms": round(replay_ms, 3), "eager_ms": round(eager_ms, 3)}
+    return {"batch": batch, "buckets": runner.graphs.sizes, "max_abs_err": err, "graph_ms": graph_ms, "eager_ms": eager_ms,
+            "decode_kernel": runner.decode_kernel}

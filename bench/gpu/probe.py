@@ -1,7 +1,10 @@
 """Device probe: learn in < 90 s what the GPU machine offers before the real check runs there.
 
 Usage: `python -m bench.gpu.probe [--out DIR]` (scripts/gpu_probe.sh installs the carried wheels
-first). Every check prints OK / FAIL / SKIP(reason) with a timestamp and lands in DIR/probe.json at
+first). Checks: imports of every package the plain-process path needs, the triton decode kernel
+against the torch one, fp32 greedy == HF generate through the engine (decode steps from its CUDA
+graphs), torch flex_attention compiling, transformers' continuous batching, graph vs eager logits of
+one decode step, device copy GB/s, CUDA IPC between two processes. Every check prints OK / FAIL / SKIP(reason) with a timestamp and lands in DIR/probe.json at
 once. CUDA-only checks SKIP on a machine without CUDA, so the probe is tested here on CPU.
 """
 
@@ -37,12 +40,31 @@ def check_greedy(device: str) -> dict:
     reference = correctness.reference_copy(loaded)
     prompts = correctness.random_prompts(loaded.tokenizer, 3, (8, 40))
     hf = correctness.hf_greedy(reference, prompts, 16)
-    engine = correctness.make_engine(loaded, device)
+    engine = correctness.make_engine(loaded, device, max_num_seqs=8)
     got = correctness.engine_greedy(engine, prompts, 16)
     result = correctness.compare(got, hf)
+    result["decode_steps_from_cuda_graphs"] = engine.runner.graphs.steps if engine.runner.graphs is not None else 0
     if result["identical"] != result["prompts"]:
-        raise RuntimeError(f"engine != HF generate: {result['diffs']}")
+        raise RuntimeError(f"engine != HF generate: {result}")
     return result
+
+
+def check_triton_kernel(device: str) -> dict:
+    if not device.startswith("cuda"):
+        raise Skip("no cuda")
+    from engine.paged_decode import decode_torch, decode_triton
+
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        kc, vc = torch.randn(2, 300, 16, 8, 64, device=device).to(dtype)
+        q = torch.randn(64, 32, 64, device=device).to(dtype)
+        table = torch.randint(0, 300, (64, 40), dtype=torch.int32, device=device)
+        lens = torch.randint(1, 640, (64,), dtype=torch.int32, device=device)
+        err = (decode_torch(q, kc, vc, table, lens, None).float() - decode_triton(q, kc, vc, table, lens, None).float()).abs().max()
+        out[str(dtype)] = float(err)
+    if out["torch.float32"] > 1e-4 or out["torch.bfloat16"] > 3e-2:
+        raise RuntimeError(f"triton decode kernel differs from the torch one: {out}")
+    return {"max_abs_err": out}
 
 
 def check_flex_attention(device: str) -> dict:
@@ -72,7 +94,7 @@ def check_decode_graph(device: str) -> dict:
     from bench.gpu.graphcheck import capture_decode_step
 
     loaded = models.build("smollm2", "float32", device)
-    return capture_decode_step(correctness.make_engine(loaded, device), batch=4)
+    return capture_decode_step(correctness.make_engine(loaded, device, max_num_seqs=8), batch=4)
 
 
 def check_memcpy(device: str) -> dict:
@@ -95,12 +117,13 @@ def main(argv: list[str] | None = None) -> int:
     report = Report(out_dir(args.out) / "probe.json", {"probe": describe(device)})
     log(f"probe on {device}: {report.data['probe']}")
     report.section("imports", 30, check_imports)
+    report.section("triton_decode_kernel", 30, lambda: check_triton_kernel(device))
     report.section("greedy_fp32", 60, lambda: check_greedy(device))
-    report.section("flex_attention_compile", 60, lambda: check_flex_attention(device))
+    report.section("flex_attention_compile", 45, lambda: check_flex_attention(device))
     report.section("hf_continuous_batching", 60, lambda: check_hf_continuous(device))
     report.section("decode_cuda_graph", 60, lambda: check_decode_graph(device))
     report.section("memcpy", 20, lambda: check_memcpy(device))
-    report.section("cuda_ipc", 60, lambda: check_ipc(device))
+    report.section("cuda_ipc", 45, lambda: check_ipc(device))
     failed = [k for k, v in report.data["sections"].items() if v["status"] in ("error", "timeout")]
     log(f"probe done: {len(failed)} failed {failed}; wrote {report.path}")
     return 0

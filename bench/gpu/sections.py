@@ -17,7 +17,7 @@ from bench import engine as bench_engine
 from bench.gpu import correctness, ipc, models
 from bench.gpu.device import copy_rate_gbps, sync, time_ms
 from bench.gpu.settings import CheckSettings
-from engine import Engine, SamplingParams
+from engine import Engine
 from engine.scheduler import ScheduledSeq
 
 
@@ -121,7 +121,7 @@ def _weight_bytes_read(model: torch.nn.Module) -> int:
 
 
 def _decode_at(engine: Engine, batch: int, s: CheckSettings, weights: int, hbm_gbps: float) -> dict:
-    seqs = _prefilled(engine, batch, s.decode_context, s.decode_iters * 3 + 8)
+    seqs = correctness.prefilled(engine, batch, s.decode_context, s.decode_iters * 3 + 8)
     try:
         items = [ScheduledSeq(seq, 1) for seq in seqs]
         runner, dev = engine.runner, s.device
@@ -143,21 +143,6 @@ def _decode_at(engine: Engine, batch: int, s: CheckSettings, weights: int, hbm_g
         for seq in seqs:
             engine.abort(seq.request_id)
         engine.step()
-
-
-def _prefilled(engine: Engine, batch: int, context: int, max_tokens: int) -> list:
-    gen = torch.Generator().manual_seed(batch)
-    ids = [f"dec{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        prompt = torch.randint(100, engine.vocab_size - 100, (context,), generator=gen).tolist()
-        engine.add_request(rid, prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
-    while any(not engine._requests[r].output_token_ids for r in ids):
-        engine.step()
-    seqs = [engine._requests[r] for r in ids]
-    for seq in seqs:  # the block of the next token's slot, as the scheduler would allocate it
-        if not engine.blocks.grow(seq, seq.num_computed_tokens + 1):
-            raise RuntimeError("no KV block for the timed decode step")
-    return seqs
 
 
 def _eager_timings(runner, items: list, device: str, iters: int) -> dict:

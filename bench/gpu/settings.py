@@ -38,8 +38,8 @@ class CheckSettings:
     disagg_tokens: int = 32
     disagg_prompt_len: tuple[int, int] = (64, 512)
     budgets: tuple[tuple[str, int], ...] = (
-        ("correctness", 60), ("engine_throughput", 70), ("hf_static", 70), ("hf_continuous", 70),
-        ("decode_step", 60), ("kv_transfer", 30), ("disaggregated", 100),
+        ("correctness", 60), ("engine_throughput", 70), ("hf_static", 60), ("hf_continuous", 60),
+        ("decode_step", 60), ("kv_transfer", 45), ("disaggregated", 100),
     )
 
     def budget(self, section: str) -> int:

@@ -174,3 +174,17 @@ def test_torch_kernel_ignores_padding_beyond_each_length():
     garbage[5] = 1e4  # beyond row 0's 20 keys
     garbage[0] = 1e4  # row 1 padding
     assert torch.allclose(out, decode_torch(q, garbage, vc, table, lens, None))
+
+
+def test_no_device_value_is_read_inside_the_forward(tiny, prompts, expected, monkeypatch):
+    """transformers' packed-sequence detection reads a device value (a host sync); the engine must skip it."""
+    from transformers import masking_utils
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("mask preparation ran (find_packed_sequence_indices syncs with the device)")
+
+    monkeypatch.setattr(masking_utils, "find_packed_sequence_indices", forbidden)
+    for batched in (False, True):
+        engine = make_engine(tiny)
+        engine.runner.batched = batched
+        assert _run(engine, prompts) == expected
