@@ -63,7 +63,8 @@ def _engine_tokens(model_dir: Path, s: CheckSettings, prompts: list[list[int]]) 
 def _run_cluster(workdir: Path, model_dir: Path, s: CheckSettings, prompts: list[list[int]]) -> list[dict]:
     from tests.cluster import LocalCluster, write_config
 
-    engine = {"model": str(model_dir), "dtype": "float32", "device": s.device, "kv_cache_memory_mb": 1024, "max_num_seqs": 64}
+    engine = {"model": str(model_dir), "dtype": "float32", "device": s.device, "max_num_seqs": 64}
+    engine["kv_cache_memory_fraction" if s.device.startswith("cuda") else "kv_cache_memory_mb"] = 0.05 if s.device.startswith("cuda") else 256
     config = write_config(workdir / "config.yaml", transport="tcp", engine=engine)
     with LocalCluster(config, num_prefill=1, num_decode=1) as cluster:
         log("disaggregated: cluster up; sending the burst")
