@@ -17,6 +17,7 @@ kernel is available. `set_decode_kernel` switches kernels (the device check meas
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -28,6 +29,8 @@ from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 DECODE_GROUP_KEYS = 2048
 """Most padded key positions in one decode group. Small enough that a group's gathered K and V stay
@@ -71,8 +74,15 @@ class ModelRunner:
         self.max_blocks_per_seq = _cdiv(max_model_len or model.config.max_position_embeddings, self.block_size)
         self.cuda_graph_max_batch = cuda_graph_max_batch if self.device.type == "cuda" else 0
         self.graphs: DecodeGraphs | None = None
+        self.fallback_reason: str | None = None
+        """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
-        self.set_decode_kernel(paged_decode.default_kernel(self.device))
+        try:
+            self.set_decode_kernel(paged_decode.default_kernel(self.device))
+        except Exception as exc:  # a kernel that does not compile or a graph that does not capture here
+            self.fallback_reason = f"{type(exc).__name__}: {exc}"
+            log.warning("decode kernel %r / CUDA graphs unavailable, decoding eagerly with the torch kernel: %s", self.decode_kernel, exc)
+            self.set_decode_kernel("torch")
 
     def set_decode_kernel(self, name: str) -> None:
         """Use paged_decode.KERNELS[name] for batched decodes; (re)captures the CUDA graphs when they apply."""

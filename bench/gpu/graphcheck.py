@@ -15,7 +15,7 @@ from engine.scheduler import ScheduledSeq
 def capture_decode_step(engine: Engine, batch: int, iters: int = 20) -> dict:
     runner = engine.runner
     if runner.graphs is None:
-        raise RuntimeError(f"the engine captured no CUDA graphs (decode kernel {runner.decode_kernel!r})")
+        raise RuntimeError(f"the engine captured no CUDA graphs (decode kernel {runner.decode_kernel!r}): {runner.fallback_reason}")
     seqs = prefilled(engine, batch, 40, 8)
     try:
         items = [ScheduledSeq(seq, 1) for seq in seqs]

@@ -44,6 +44,7 @@ def check_greedy(device: str) -> dict:
     got = correctness.engine_greedy(engine, prompts, 16)
     result = correctness.compare(got, hf)
     result["decode_steps_from_cuda_graphs"] = engine.runner.graphs.steps if engine.runner.graphs is not None else 0
+    result["fallback_reason"] = engine.runner.fallback_reason
     if result["identical"] != result["prompts"]:
         raise RuntimeError(f"engine != HF generate: {result}")
     return result

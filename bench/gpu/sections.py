@@ -67,6 +67,7 @@ def section_correctness(s: CheckSettings) -> dict:
         result[dtype] = {
             **correctness.compare(got, hf), "tokens": tokens,
             "decode_steps_from_cuda_graphs": graphs.steps if graphs is not None else 0, "engine_steps": engine.stats().steps,
+            "decode_kernel": engine.runner.decode_kernel, "fallback_reason": engine.runner.fallback_reason,
         }
         del engine, reference, loaded
     result["fp32_identical"] = result["float32"]["identical"] == result["float32"]["prompts"]
@@ -82,6 +83,7 @@ def section_engine_throughput(m: Models) -> dict:
     result["decode_steps_from_cuda_graphs"] = (graphs.steps - before) if graphs is not None else 0
     result["num_requests"] = len(workload.prompts)
     result["decode_kernel"] = engine.runner.decode_kernel
+    result["fallback_reason"] = engine.runner.fallback_reason
     return result
 
 
