@@ -11,6 +11,7 @@ once. CUDA-only checks SKIP on a machine without CUDA, so the probe is tested he
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib
 import sys
 
@@ -35,12 +36,18 @@ def check_imports() -> dict:
     return {"modules": list(MODULES)}
 
 
-def check_greedy(device: str) -> dict:
+@functools.lru_cache(maxsize=1)
+def _smollm2(device: str) -> tuple:
+    """(loaded, transformers reference copy, engine) of the SmolLM2-shaped fp32 model, built once."""
     loaded = models.build("smollm2", "float32", device)
     reference = correctness.reference_copy(loaded)
+    return loaded, reference, correctness.make_engine(loaded, device, max_num_seqs=8)
+
+
+def check_greedy(device: str) -> dict:
+    loaded, reference, engine = _smollm2(device)
     prompts = correctness.random_prompts(loaded.tokenizer, 3, (8, 40))
     hf = correctness.hf_greedy(reference, prompts, 16)
-    engine = correctness.make_engine(loaded, device, max_num_seqs=8)
     got = correctness.engine_greedy(engine, prompts, 16)
     result = correctness.compare(got, hf)
     result["decode_steps_from_cuda_graphs"] = engine.runner.graphs.steps if engine.runner.graphs is not None else 0
@@ -94,8 +101,7 @@ def check_decode_graph(device: str) -> dict:
         raise Skip("no cuda")
     from bench.gpu.graphcheck import capture_decode_step
 
-    loaded = models.build("smollm2", "float32", device)
-    return capture_decode_step(correctness.make_engine(loaded, device, max_num_seqs=8), batch=4)
+    return capture_decode_step(_smollm2(device)[2], batch=4)
 
 
 def check_memcpy(device: str) -> dict:

@@ -110,6 +110,30 @@ def section_decode_step(m: Models) -> dict:
     out = {"hbm_gbps_measured": hbm, "copy": m.copy_rate, "weight_bytes_read_per_step": weights, "batches": {}}
     for batch in m.s.decode_batches:
         out["batches"][str(batch)] = _decode_at(engine, batch, m.s, weights, hbm)
+    if engine.runner.decode_kernel == "triton":
+        out["triton_kernel_configs"] = _kernel_configs(engine, max(m.s.decode_batches), m.s, hbm)
+    return out
+
+
+def _kernel_configs(engine: Engine, batch: int, s: CheckSettings, hbm_gbps: float) -> dict:
+    """The triton decode kernel alone on one layer's pool, at a few tile sizes and warp counts: GB/s of KV read."""
+    from engine.paged_decode import decode_triton
+
+    layout, cache = engine.layout, engine.kv_cache
+    blocks = -(-s.decode_context // layout.block_size)
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(0, cache.num_blocks, (batch, blocks), generator=gen, dtype=torch.int32).to(s.device)
+    lens = torch.full((batch,), s.decode_context, dtype=torch.int32, device=s.device)
+    heads = engine.loaded.config.num_attention_heads
+    q = torch.randn(batch, heads, layout.head_dim, device=s.device).to(layout.dtype)
+    kc, vc = cache.key_caches[0], cache.value_caches[0]
+    kv_bytes = batch * s.decode_context * layout.bytes_per_token_per_layer
+    out = {"batch": batch, "context": s.decode_context, "kv_bytes_per_layer": kv_bytes}
+    for tile in (16, 32, 64):
+        for warps in (4, 8):
+            t = time_ms(lambda: decode_triton(q, kc, vc, table, lens, None, tile, warps), s.device, s.decode_iters)  # noqa: B023
+            out[f"tile{tile}_warps{warps}"] = {"us": round(t["ms_min"] * 1e3, 1), "gbps": round(kv_bytes / (t["ms_min"] / 1e3) / 1e9, 1),
+                                              "fraction_of_hbm": round(kv_bytes / (t["ms_min"] / 1e3) / 1e9 / hbm_gbps, 3)}
     return out
 
 
