@@ -150,6 +150,28 @@ print('ok')
     assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_kernel_compiles_for_hopper_without_a_gpu():
+    code = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from engine.paged_decode import _paged_decode_kernel
+ints = ["stride_qb", "stride_qh", "stride_kb", "stride_kt", "stride_kh", "stride_btb", "stride_ob", "stride_oh"]
+for dt, precision in (("fp32", "ieee"), ("bf16", "tf32")):
+    sig = {"Q": "*" + dt, "K": "*" + dt, "V": "*" + dt, "BT": "*i32", "LENS": "*i32", "O": "*" + dt, "scale": "fp32",
+           **{n: "i32" for n in ints}, **{n: "constexpr" for n in ("G", "G_PAD", "D", "BS", "TILE", "PRECISION")}}
+    const = {"G": 4, "G_PAD": 16, "D": 64, "BS": 16, "TILE": 32, "PRECISION": precision}
+    out = triton.compile(ASTSource(fn=_paged_decode_kernel, signature=sig, constexprs=const), target=GPUTarget("cuda", 90, 32))
+    assert out.asm["cubin"], dt
+print("ok")
+"""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stderr[-2000:]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs CUDA")
 def test_captured_graphs_match_hf_on_cuda(prompts):
     torch.manual_seed(0)
