@@ -11,24 +11,15 @@ On CPU the same code measures shared memory between processes (what the CPU test
 
 from __future__ import annotations
 
-import statistics
-import time
-
 import torch
 
-from bench.gpu.device import sync
+from bench.gpu.device import time_ms
 
 
-def _timed(fn, device: str, iters: int) -> float:
-    fn()
-    sync(device)
-    times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - t0)
-    return min(times), statistics.median(times)
+def _timed(fn, device: str, iters: int) -> tuple[float, float]:
+    """(best, median) seconds of `fn()`."""
+    t = time_ms(fn, device, iters, warmup=1)
+    return t["ms_min"] / 1e3, t["ms_median"] / 1e3
 
 
 def _child(inbox, outbox, block_ids: list[int], iters: int) -> None:
