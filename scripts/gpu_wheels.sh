@@ -22,7 +22,7 @@ WHEELS=(
   grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
   annotated-doc==0.0.7 typing-extensions==4.16.0 typing-inspection==0.4.5
-  uvicorn==0.54.0 h11==0.16.0 click==8.5.1 crc32c==2.9.post0
+  opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 crc32c==2.9.post0
 )
 PY=${PYTHON:-python3}
 mkdir -p .whl
