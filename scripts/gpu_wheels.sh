@@ -3,7 +3,8 @@
 #
 # The device (one H200, no network) has python3.12, torch 2.11 (CUDA 13), transformers 5.17, grpcio,
 # protobuf, pyyaml, numpy, cupy, triton, prometheus-client, uvloop, httpx, anyio; NOT ray, ucxx, gguf,
-# crc32c, grpcio-health-checking, grpcio-reflection, fastapi, starlette, pydantic, uvicorn.
+# crc32c, grpcio-health-checking, grpcio-reflection, fastapi, starlette, pydantic, uvicorn. anyio travels
+# too (starlette 1.x needs anyio 4; the image's version is unknown).
 # The plain-process path (python -m router / prefill_worker / decode_worker) needs the latter, and the
 # committed generated protobuf/gRPC code needs protobuf >= 7.35 and grpcio >= 1.85.1, so those travel
 # too (same versions as this project's venv). Ray, ucxx and gguf stay behind: not needed there
@@ -22,7 +23,7 @@ WHEELS=(
   grpcio==1.85.3 protobuf==7.36.2 grpcio-health-checking==1.85.1 grpcio-reflection==1.85.1
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
   annotated-doc==0.0.7 typing-extensions==4.16.0 typing-inspection==0.4.5
-  opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 crc32c==2.9.post0
+  anyio==4.16.0 idna==3.20 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 crc32c==2.9.post0
 )
 PY=${PYTHON:-python3}
 mkdir -p .whl
