@@ -97,6 +97,9 @@ def summary_text(data: dict) -> str:
     lines += [f"  {k}: {v}" for k, v in s.items() if k != "decode_fraction_of_bound"]
     for name, frac in (s.get("decode_fraction_of_bound") or {}).items():
         lines.append(f"  decode batch {s['decode_largest_batch']} {name}: {frac} of the HBM bound")
+    for name, sec in data["sections"].items():
+        if sec.get("status") in ("error", "timeout"):
+            lines.append(f"  {name} FAILED: {sec.get('error')}")
     lines.append("targets: " + json.dumps(TARGETS))
     return "\n".join(lines) + "\n"
 

@@ -43,8 +43,8 @@ def test_summary_tolerates_missing_and_failed_sections():
     summary = gpu_check.summarize(partial)
     assert summary["engine_over_hf_static"] == 10.0 and summary["engine_over_hf_continuous"] is None
     assert summary["fp32_identical"] is True and summary["decode_fraction_of_bound"] is None
-    text = gpu_check.summary_text({"machine": {"cpu": "x", "torch": "t", "transformers": "v"}, "summary": summary})
-    assert "engine_over_hf_static: 10.0" in text
+    text = gpu_check.summary_text({"machine": {"cpu": "x", "torch": "t", "transformers": "v"}, "summary": summary, "sections": partial})
+    assert "engine_over_hf_static: 10.0" in text and "hf_continuous FAILED: ran past its budget" in text
 
 
 def test_unknown_section_is_rejected_by_name():
