@@ -136,7 +136,11 @@ def test_plaintext_clients_are_refused_and_https_works(cluster):
 
 def test_stranger_cannot_register(cluster):
     stranger = pb.WorkerInfo(worker_id="stranger", role=pb.ROLE_DECODE, address="127.0.0.1:1", model="smollm2-135m")
-    with cluster.channel(cluster.router.address) as channel:  # the CA is public: TLS alone is no credential
+    with cluster.channel(cluster.router.address) as channel:  # the public port has no Registry at all, secret or not
+        for metadata in (None, SECRET_MD):
+            code = _code(pb_grpc.RegistryStub(channel).Register, pb.RegisterRequest(worker=stranger), metadata=metadata, timeout=10)
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+    with cluster.channel(cluster.router.ready["internal_address"]) as channel:  # the CA is public: TLS alone is no credential
         registry = pb_grpc.RegistryStub(channel)
         for metadata in (None, WRONG_MD):
             refused = pb.RegisterRequest(worker=stranger)
