@@ -3,8 +3,8 @@
 Lifecycle: load config; load the tokenizer only (no model weights); bind two gRPC planes and HTTP
 (TLS when `security.tls_cert_file` is set): the public port serves Router/Generate (API keys),
 health and reflection only; the internal port (`router.internal_host`/`internal_port`) serves the
-workers' Registry, whose calls must carry the cluster secret when one is set (without one, both
-planes must be loopback unless `security.allow_unauthenticated`). Add static workers from flags;
+workers' Registry, whose calls must carry the cluster secret when one is set (without one, the
+internal plane must be loopback unless `security.allow_unauthenticated`). Add static workers from flags;
 expire silent workers every second; print the ready line (`address` public, `internal_address`);
 serve until SIGTERM; drain (health NOT_SERVING, refuse new requests, let streams finish); stop.
 """
@@ -82,7 +82,8 @@ class Planes:
         rc = config.router
         self.host = args.host or rc.host
         self.internal_host = args.internal_host or rc.internal_host or self.host
-        security.require_secret_for([self.host, self.internal_host], config.security.allow_unauthenticated, "the router")
+        # the public plane answers to API keys; what the secret guards is the internal one
+        security.require_secret_for([self.internal_host], config.security.allow_unauthenticated, "the router's internal port")
         port = rc.grpc_port if args.grpc_port is None else args.grpc_port
         self.public, self.port, self.health = create_server(self.host, port, [ROUTER], security)
         add_router_to_server(router, self.public)

@@ -6,7 +6,8 @@ A stranger on the network (no secret; it knows the model, the API and every addr
 router's public port, on its internal port and on the workers' own ports; a fake worker server
 it runs counts every connection and byte that arrives while users send requests. Then the
 generated secret is looked for in every log line, process command line and environment, and
-every file of the Ray session and of the test.
+every file of the Ray session and of the test. Last, plain processes without a secret: they
+refuse a non-loopback internal address unless `security.allow_unauthenticated`, and then warn.
 """
 
 from __future__ import annotations
@@ -22,17 +23,17 @@ from pathlib import Path
 import grpc
 import psutil
 import pytest
-import torch
 
+from common.secrets import SECRET_ENV
 from engine.sampling import SamplingParams
-from kvtransfer import AuthenticationFailed, KVEndpoint, KVSender, TransferHeader
+from kvtransfer import KVEndpoint, TransferHeader
 from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterError, generate_via_router
-from tests.cluster import REPO, Proc, write_config
+from tests.cluster import REPO, Proc, start_process, stop_process, write_config
 from tests.integration.test_ray_deploy import cli, healthy, start_serve, status, stop_and_check_nothing_left, wait_for
-from tests.integration.test_security import SMOLLM2, _code
+from tests.integration.test_security import SMOLLM2, _code, push_kv_is_refused
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -146,19 +147,8 @@ def test_a_stranger_is_refused_everywhere(deployment):
 
 def _push_kv_without_the_secret(decode: dict) -> None:
     """A KV push straight to the decode worker's KV port: the proof is checked before anything else."""
-    host = decode["address"].rsplit(":", 1)[0]
-    header = TransferHeader("stranger-transfer", "f" * 16, 40, **SMOLLM2)
-    zeros = torch.zeros(40, SMOLLM2["num_kv_heads"], SMOLLM2["head_dim"])
-    sender = KVSender(connect_timeout=5.0, ack_timeout=20.0, secret="")
-    try:
-        xfer = sender.begin(KVEndpoint(host, decode["kv_port"], "tcp"), header)
-        for layer in range(SMOLLM2["num_layers"]):
-            xfer.send_layer(layer, zeros, zeros)
-        xfer.finish(first_token=7)
-        with pytest.raises(AuthenticationFailed):
-            xfer.result(timeout=20)
-    finally:
-        sender.close()
+    endpoint = KVEndpoint(decode["address"].rsplit(":", 1)[0], decode["kv_port"], "tcp")
+    push_kv_is_refused(endpoint, TransferHeader("stranger-transfer", "f" * 16, 40, **SMOLLM2), secret="")
 
 
 def test_a_stranger_worker_never_sees_a_user_request(deployment):
@@ -214,3 +204,24 @@ def _read(path: Path) -> bytes:
         return path.read_bytes()
     except OSError:
         return b""
+
+
+PLAIN = {"router": ["-m", "router", "--grpc-port", "0", "--http-port", "0", "--internal-host", "0.0.0.0"],
+         "prefill_worker": ["-m", "prefill_worker", "--host", "0.0.0.0"],
+         "decode_worker": ["-m", "decode_worker", "--host", "0.0.0.0"]}
+
+
+def test_plain_processes_without_a_secret_stay_on_loopback(tmp_path):
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    config = write_config(tmp_path / "plain.yaml", transport="tcp")
+    for name, args in PLAIN.items():
+        refused = subprocess.run([sys.executable, *args, "-c", str(config)], cwd=REPO, env=env, capture_output=True,
+                                 text=True, timeout=180, check=False)
+        assert refused.returncode == 2 and "security.shared_secret" in refused.stderr, (name, refused.stderr[-1500:])
+    allowed = write_config(tmp_path / "allowed.yaml", transport="tcp", security={"allow_unauthenticated": True})
+    router = start_process("router", [*PLAIN["router"], "-c", str(allowed)], {SECRET_ENV: ""})
+    try:
+        assert router.ready["internal_address"].startswith("0.0.0.0:")
+        assert [line for line in router.log_lines if "WARNING" in line and "WITHOUT a cluster secret" in line]
+    finally:
+        stop_process(router)
