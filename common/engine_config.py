@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from common.validation import ConfigError, one_of, positive_int, reject_unknown
+from common.validation import ConfigError, is_number, non_negative_int, one_of, positive_int, reject_unknown
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 OPTIONAL = ("num_kv_blocks", "max_model_len", "num_threads")
@@ -23,6 +23,11 @@ class EngineConfig:
     block_size: int = 16
     kv_cache_memory_mb: int = 512
     """Memory budget of the paged KV pool; the number of blocks follows from it."""
+    kv_cache_memory_fraction: float | None = None
+    """CUDA: share of the device memory free after loading the weights for the KV pool (overrides
+    kv_cache_memory_mb there; ignored on CPU)."""
+    cuda_graph_max_batch: int = 256
+    """CUDA: pure decode steps up to this batch replay CUDA graphs captured at batch buckets (0: never)."""
     num_kv_blocks: int | None = None
     """Exact number of KV blocks (overrides kv_cache_memory_mb; tests use it to force preemption)."""
     max_model_len: int | None = None
@@ -44,6 +49,12 @@ class EngineConfig:
         if self.dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError(f"{prefix}.dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
         one_of(f"{prefix}.block_size", self.block_size, BLOCK_SIZES)
+        if not (isinstance(self.device, str) and (self.device == "cpu" or self.device.split(":")[0] == "cuda")):
+            raise ConfigError(f"{prefix}.device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (not is_number(fraction) or not 0 < fraction < 1):
+            raise ConfigError(f"{prefix}.kv_cache_memory_fraction", f"must be a number in (0, 1), got {fraction!r}")
+        non_negative_int(f"{prefix}.cuda_graph_max_batch", self.cuda_graph_max_batch)
         for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads"):
             positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)
 

@@ -135,6 +135,28 @@ async def wait_idle(in_flight: Callable[[], int], timeout_s: float | None = None
     return in_flight()
 
 
+class CallGate:
+    """Admission of one worker service's calls: `enter` refuses a call once draining (UNAVAILABLE)
+    and counts it in flight until `leave`; `drain` stops admitting and waits until none is left."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.draining = False
+        self.in_flight = 0
+
+    async def enter(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker is draining")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+    async def drain(self) -> None:
+        self.draining = True
+        await wait_idle(lambda: self.in_flight)
+
+
 def configure_logging(level: str = "INFO") -> None:
     logging.basicConfig(
         level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -38,7 +38,7 @@ class WorkerParts:
     """What a worker builds before it serves."""
 
     service: Any
-    """The servicer: `Stats` (heartbeats carry it), `drain(grace_s)`, `in_flight`."""
+    """The servicer: `Stats` (heartbeats carry it), `drain(grace_s)`, `gate` (its `CallGate`: draining, in flight)."""
     service_name: str
     """Its gRPC service, e.g. "pdserve.v1.DecodeWorker" (health, reflection, the secret check)."""
     add_to_server: Callable[[Any, grpc.aio.Server], None]

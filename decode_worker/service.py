@@ -24,13 +24,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
-from common.serving import wait_idle
+from common.serving import CallGate
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sampler import Sample
 from kvtransfer import KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto, worker_stats
+from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -56,18 +56,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.kv_timeout_s = kv_timeout_s
         self.admission_timeout_s = admission_timeout_s
         self.fault_point = fault_point
-        self.in_flight = 0
-        self.draining = False
+        self.gate = CallGate("decode")
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         request_id = request.request_id or uuid.uuid4().hex
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._enter()
+        params = await sampling_or_abort(request.sampling, context)
+        await self.gate.enter(context)
         try:
             if request.local_prefill:
                 outputs = self.engine.generate(request_id, list(request.token_ids), params)
@@ -77,7 +71,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             async for response in self._remote(request_id, request, params, context):
                 yield response
         finally:
-            self._leave()
+            self.gate.leave()
 
     async def _remote(self, request_id, request, params, context) -> AsyncIterator[pb.DecodeResponse]:
         started = time.monotonic()
@@ -166,19 +160,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.draining,
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining,
                                   kv_bytes_received=self.receiver.stats.bytes_received)
 
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:
-        self.draining = True
-        await wait_idle(lambda: self.in_flight)
-
-    def _enter(self) -> None:
-        self.in_flight += 1
-
-    def _leave(self) -> None:
-        self.in_flight -= 1
+        await self.gate.drain()
 
 
 def _finished(request_id: str, reason: int, error: pb.Error | None = None) -> pb.DecodeResponse:

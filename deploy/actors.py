@@ -97,7 +97,7 @@ class WorkerActor:
 
         async def read() -> dict[str, Any]:
             stats = _stats_dict(await service.Stats(pb.StatsRequest(), None))
-            return {**stats, "in_flight": service.in_flight}
+            return {**stats, "in_flight": service.gate.in_flight}
 
         return self.server.call(read, timeout_s=10.0)
 
@@ -107,10 +107,10 @@ class WorkerActor:
 
         async def leave_and_wait() -> dict[str, Any]:
             started = time.monotonic()
-            in_flight_at_start = service.in_flight
+            in_flight_at_start = service.gate.in_flight
             if registration is not None:
                 await registration.stop()  # Deregister: the router picks us no more
-            left = await wait_idle(lambda: service.in_flight, timeout_s=timeout_s, settle_s=settle_s)
+            left = await wait_idle(lambda: service.gate.in_flight, timeout_s=timeout_s, settle_s=settle_s)
             return {"worker_id": self.worker_id, "in_flight_at_drain": in_flight_at_start,
                     "in_flight_left": left, "drain_s": round(time.monotonic() - started, 3)}
 

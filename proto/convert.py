@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING
 
+import grpc
+
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
@@ -46,6 +48,14 @@ def sampling_from_proto(msg: pb.SamplingParams, field_prefix: str = "sampling") 
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{field_prefix}.{exc.field}", exc.message) from None
     return params
+
+
+async def sampling_or_abort(msg: pb.SamplingParams, context: grpc.aio.ServicerContext) -> SamplingParams:
+    """`sampling_from_proto` for a worker call: a bad field ends the call INVALID_ARGUMENT, naming it."""
+    try:
+        return sampling_from_proto(msg)
+    except InvalidRequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> pb.SamplingParams:
