@@ -131,12 +131,14 @@ def _unpack_str(data: bytes, offset: int) -> tuple[bytes, int]:
 @dataclass(frozen=True)
 class Hello:
     """Receiver's greeting: protocol and transport check, the checksums it can verify, and
-    the data-plane bootstrap (UCX worker address)."""
+    the data-plane bootstrap (UCX worker address, and the receiver's `host_id`: which kernel
+    and namespaces it runs in, so a sender picks same-host transports only for a true peer)."""
 
     transport: str
     connection: int
     checksums: tuple[str, ...] = ("crc32",)
     data_address: bytes = b""
+    host_id: str = ""
 
     def encode(self) -> bytes:
         return (
@@ -144,6 +146,7 @@ class Hello:
             + _pack_str(self.transport)
             + _pack_str(",".join(self.checksums))
             + _pack_str(self.data_address)
+            + _pack_str(self.host_id)
         )
 
     @classmethod
@@ -154,8 +157,9 @@ class Hello:
                 raise ProtocolError(f"peer speaks wire version {version}, we speak {WIRE_VERSION}")
             transport, off = _unpack_str(body, 6)
             checksums, off = _unpack_str(body, off)
-            address, _ = _unpack_str(body, off)
-            return cls(transport.decode(), connection, tuple(checksums.decode().split(",")), address)
+            address, off = _unpack_str(body, off)
+            host_id, _ = _unpack_str(body, off)
+            return cls(transport.decode(), connection, tuple(checksums.decode().split(",")), address, host_id.decode())
         except (struct.error, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed HELLO: {exc}") from None
 
