@@ -416,8 +416,12 @@ def _create_controller(config: PdserveConfig, options, detached: bool) -> Any:
         print("pdserve: already running on this Ray cluster (see `pdserve status`, stop it with `pdserve down`)",
               file=sys.stderr)
         return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)  # not on a node that may die
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=_ns(), num_cpus=0, lifetime="detached" if detached else None, max_restarts=0,
+        scheduling_strategy=here,
     ).remote(config, options)
 
 

@@ -48,7 +48,7 @@ def in_ns(ns: str, *cmd: str, check: bool = True) -> subprocess.CompletedProcess
 def cannot_make_namespaces() -> str:
     """Why hosts cannot be made here ('' when they can): not root, or no `ip netns`."""
     if os.geteuid() != 0:
-        return "multi-host tests need root (network namespaces); running as uid %d" % os.geteuid()
+        return f"multi-host tests need root (network namespaces); running as uid {os.geteuid()}"
     probe = PREFIX + "probe"
     made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, check=False)
     if made.returncode != 0:
