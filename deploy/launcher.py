@@ -418,7 +418,7 @@ def _create_controller(config: PdserveConfig, options, detached: bool) -> Any:
         return None
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=True)  # not on a node that may die
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # where pdserve runs, not on any node
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=_ns(), num_cpus=0, lifetime="detached" if detached else None, max_restarts=0,
         scheduling_strategy=here,

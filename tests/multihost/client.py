@@ -18,6 +18,14 @@ import grpc
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
+_print_lock = threading.Lock()
+
+
+def emit(event: dict) -> None:
+    with _print_lock:  # one whole line per event, whichever thread prints
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
 
 def run_stream(stub: pb_grpc.RouterStub, index: int, prompt: list[int], max_tokens: int, out: list[dict]) -> None:
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), skip_detokenize=True,
@@ -28,7 +36,7 @@ def run_stream(stub: pb_grpc.RouterStub, index: int, prompt: list[int], max_toke
     try:
         for response in stub.Generate(request, timeout=600):
             if not tokens and response.chunk.token_ids:
-                print(json.dumps({"event": "streaming", "index": index}), flush=True)
+                emit({"event": "streaming", "index": index})
             tokens.extend(response.chunk.token_ids)
             if response.finish_reason:
                 result["finish"] = pb.FinishReason.Name(response.finish_reason)
@@ -54,7 +62,7 @@ def main() -> int:
                 t.join()
         for t in threads:
             t.join()
-    print(json.dumps({"event": "done", "results": out}), flush=True)
+    emit({"event": "done", "results": out})
     return 0
 
 
