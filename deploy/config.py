@@ -19,6 +19,7 @@ import yaml
 from engine.config import ConfigError, EngineConfig
 
 TRANSPORTS = ("ucx", "tcp", "local")
+WIRE_DTYPES = ("auto", "native", "int8", "fp8")  # kvtransfer/codec.py (not imported: config stays torch-free)
 ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
@@ -34,10 +35,18 @@ class KVTransferConfig:
     timeout_s: float = 30.0
     faults: str = ""
     """Test hook, off by default: KV faults prefill workers inject (kvtransfer/faults.py syntax)."""
+    wire_dtype: str = "native"
+    """KV on the wire: native (lossless), int8 or fp8 (lossy, per token-and-head scales, decoded into the
+    receiver's dtype), or auto: int8 to a decode worker whose measured link rate is below compress_below_gbps."""
+    compress_below_gbps: float = 5.0
+    """With wire_dtype auto: compress KV to decode workers whose link rate measured from earlier transfers is below this."""
 
     def validate(self, prefix: str) -> None:
         if self.transport not in TRANSPORTS:
             raise ConfigError(f"{prefix}.transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
+        if self.wire_dtype not in WIRE_DTYPES:
+            raise ConfigError(f"{prefix}.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
+        _positive_float(f"{prefix}.compress_below_gbps", self.compress_below_gbps)
         _positive_float(f"{prefix}.timeout_s", self.timeout_s)
         if self.faults:
             from kvtransfer.faults import FaultInjector

@@ -77,9 +77,11 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
         closers = [receiver.close]
     else:
         from kvtransfer import FaultInjector, KVSender
+        from kvtransfer.codec import WirePolicy
         from prefill_worker.service import PrefillService
 
-        sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret)
+        sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret,
+                          wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
         service = PrefillService(engine, sender, model_fingerprint, worker_id, layerwise=kv.layerwise, ack_timeout_s=kv.timeout_s)
         service_name = "pdserve.v1.PrefillWorker"
         closers = [lambda: asyncio.to_thread(sender.close)]
