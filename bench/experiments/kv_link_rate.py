@@ -70,10 +70,11 @@ def run_config(network: net.Network, workdir: Path, label: str, layerwise: bool,
     prefill, decode = start_pair(workdir, name, layerwise, wire_dtype, max(args.lengths))
     try:
         by_rate = {}
-        for rate in args.rates:
+        for i, rate in enumerate(args.rates):
             network.set_rate(2, rate)
             common.log.info("%s at %g Gbit/s", name, rate)
-            by_rate[str(rate)] = asyncio.run(measure(prefill.address, decode.address, args.lengths, args.repeats, args.seed))
+            seed = args.seed + 1000 * i  # fresh prompts per rate: no prefix-cache hit on the same workers
+            by_rate[str(rate)] = asyncio.run(measure(prefill.address, decode.address, args.lengths, args.repeats, seed))
         return {"variant": name, "layerwise": layerwise, "wire_dtype": wire_dtype, "by_rate": by_rate}
     finally:
         stop_process(prefill)

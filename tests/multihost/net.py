@@ -125,15 +125,16 @@ def pids_in(ns: str) -> list[int]:
 
 
 def kill_namespace_processes(ns: str, sig: int = signal.SIGKILL, timeout: float = 10.0) -> list[int]:
-    """Send `sig` to every process in `ns` at once (a node dies); wait until they are gone."""
-    pids = pids_in(ns)
+    """Send `sig` to every process in `ns` at once (a node dies); wait until they are gone.
+    The calling process is spared (it may have entered `ns` itself, e.g. a benchmark driver)."""
+    pids = [p for p in pids_in(ns) if p != os.getpid()]
     for pid in pids:
         try:
             os.kill(pid, sig)
         except ProcessLookupError:
             pass
     deadline = time.monotonic() + timeout
-    while pids_in(ns) and time.monotonic() < deadline:
+    while set(pids_in(ns)) - {os.getpid()} and time.monotonic() < deadline:
         time.sleep(0.1)
     return pids
 
