@@ -35,86 +35,28 @@ streaming on vs off through real prefill and decode workers.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import json
 import logging
-import multiprocessing as mp
 import os
 import platform
-import socket
-import statistics
-import struct
 import sys
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from bench.kvmethods.base import BYTES_PER_TOKEN, ELEM, HEAD_DIM, HEADS, LAYERS, Method, measure, summarize, timed
+from bench.kvmethods.plain_socket import SocketMethod
+from bench.kvmethods.protocol import PROTOCOL_CONFIGS, ProtocolConfig, ProtocolMethod, bench_protocol
+from bench.kvmethods.raw_ucx import RAW_UCX_MODES, RawUcxMethod
+
 log = logging.getLogger("bench.kvtransfer")
 
-LAYERS, HEADS, HEAD_DIM, ELEM = 30, 3, 64, 4
-BYTES_PER_TOKEN = 2 * LAYERS * HEADS * HEAD_DIM * ELEM  # 46080
 DEFAULT_TOKENS = (128, 512, 1024, 2048, 4096)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kvtransfer.json"
-ACK_TAG, HEAD_TAG, PART_TAG = 3, 1, 2
-
-
-@dataclass(frozen=True)
-class ProtocolConfig:
-    """One pair of child processes running the kvtransfer protocol with these settings."""
-
-    name: str
-    transports: tuple[str, ...]
-    env: dict[str, str] = field(default_factory=dict)
-    transport_options: dict[str, dict[str, Any]] = field(default_factory=dict)
-    zero_copy: bool = True
-    label: str = ""  # result key for the non-default variants (default: the transport name)
-
-
-PROTOCOL_CONFIGS = (
-    ProtocolConfig("default", ("tcp", "ucx")),
-    ProtocolConfig("ucx_staging", ("ucx",), zero_copy=False, label="ucx_staging"),
-    ProtocolConfig("ucx_window_2", ("ucx",), transport_options={"ucx": {"window": 2}}, label="ucx_window_2"),
-    ProtocolConfig("ucx_tls_tcp", ("ucx",), env={"UCX_TLS": "tcp"}, label="ucx_tls_tcp"),
-)
-
-RAW_UCX_MODES = {
-    "ucx_raw": "worker address, no peer error handling, kvtransfer's event-driven UcxWorker",
-    "ucx_raw_ucxx_asyncio": "worker address, no peer error handling, ucxx asyncio API (blocking progress mode)",
-    "ucx_raw_sockaddr": "ucxx.create_listener/create_endpoint (peer error handling on), ucxx asyncio API",
-}
-
-
-def layer_buffers(num_tokens: int) -> list[np.ndarray]:
-    """60 buffers (K and V per layer) of random bytes, as a sender would hold them."""
-    rng = np.random.default_rng(num_tokens)
-    per = num_tokens * HEADS * HEAD_DIM * ELEM
-    return [rng.integers(0, 256, per, dtype=np.uint8) for _ in range(2 * LAYERS)]
-
-
-def summarize(nbytes: int, seconds: list[float]) -> dict[str, float]:
-    best = min(seconds)
-    return {
-        "bytes": nbytes,
-        "seconds_best": round(best, 6),
-        "gbps_best": round(nbytes / best / 1e9, 3),
-        "gbps_median": round(nbytes / statistics.median(seconds) / 1e9, 3),
-    }
-
-
-def _timed(fn: Callable[[], Any]) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
-
-
-# --- in-process baselines ------------------------------------------------------------------
+__all__ = ["PROTOCOL_CONFIGS", "ProtocolConfig", "bench_memcpy", "bench_protocol", "main"]
 
 
 def bench_memcpy(tokens: list[int], repeats: int) -> dict[str, Any]:
@@ -132,7 +74,7 @@ def bench_memcpy(tokens: list[int], repeats: int) -> dict[str, Any]:
             def copy(dst: torch.Tensor = dst, src: torch.Tensor = src) -> None:
                 dst.copy_(src)
 
-            times = [_timed(copy) for _ in range(4 * repeats)]  # cheap: more tries
+            times = [timed(copy) for _ in range(4 * repeats)]  # cheap: more tries
             out[str(n)] = summarize(n * BYTES_PER_TOKEN, times)
     finally:
         torch.set_num_threads(threads)
@@ -148,392 +90,9 @@ def bench_checksums(num_tokens: int, repeats: int) -> dict[str, float]:
     out = {}
     for name in checksum.supported():
         checksum.compute(name, [buf])
-        best = min(_timed(lambda name=name: checksum.compute(name, [buf])) for _ in range(repeats * 4))
+        best = min(timed(lambda name=name: checksum.compute(name, [buf])) for _ in range(repeats * 4))
         out[name] = round(part / best / 1e9, 3)
     return out
-
-
-# --- a method = two child processes answering "run <tokens>" -------------------------------
-
-
-class Method:
-    """A pair of children (source, sink) measured one transfer at a time."""
-
-    keys: tuple[str, ...]
-
-    def launch(self) -> None: ...
-
-    def wait_ready(self, timeout: float) -> None: ...
-
-    def run(self, num_tokens: int, warmup: bool) -> dict[str, tuple[float, float | None]]:
-        """One transfer per key: {key: (sender seconds, receiver seconds or None)}."""
-        raise NotImplementedError
-
-    def extras(self) -> dict[str, Any]:
-        return {}
-
-    def stop(self) -> None: ...
-
-
-def _spawn(target: Callable[..., None], *args: Any) -> tuple[mp.Process, Connection]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=target, args=(child, *args), daemon=True)
-    proc.start()
-    child.close()
-    return proc, parent
-
-
-def _recv(conn: Connection, timeout: float) -> Any:
-    if not conn.poll(timeout):
-        raise TimeoutError(f"bench child did not answer within {timeout}s")
-    reply = conn.recv()
-    if isinstance(reply, tuple) and reply and reply[0] == "error":
-        raise RuntimeError(f"bench child failed: {reply[1]}")
-    return reply
-
-
-def _reap(procs: list[mp.Process], conns: list[Connection]) -> None:
-    for conn in conns:
-        with contextlib.suppress(OSError):
-            conn.send(("stop",))
-    for proc in procs:
-        proc.join(15)
-        if proc.is_alive():
-            proc.kill()
-            proc.join(5)
-
-
-# --- plain blocking socket -------------------------------------------------------------------
-
-
-def _socket_sink(conn: Connection, max_bytes: int) -> None:
-    """Child: accept one connection; per transfer read an 8-byte length, recv_into, ack."""
-    server = socket.create_server(("127.0.0.1", 0))
-    conn.send(server.getsockname()[1])
-    sock, _ = server.accept()
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    buf = memoryview(np.empty(max_bytes, dtype=np.uint8))
-    head = bytearray(8)
-    try:
-        while sock.recv_into(head, 8, socket.MSG_WAITALL) == 8:
-            (total,) = struct.unpack("!Q", head)
-            if total == 0:
-                break
-            got = 0
-            while got < total:
-                n = sock.recv_into(buf[got:total])
-                if n == 0:
-                    return
-                got += n
-            sock.sendall(b"k")
-    finally:
-        sock.close()
-        server.close()
-
-
-def _socket_source(conn: Connection, port: int, tokens: list[int]) -> None:
-    """Child: per "run n", sendall the 60 buffers of n tokens and wait for the ack."""
-    data = {n: layer_buffers(n) for n in tokens}
-    sock = socket.create_connection(("127.0.0.1", port))
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    ack = bytearray(1)
-    conn.send("ready")
-    while (command := conn.recv())[0] == "run":
-        bufs = data[command[1]]
-        t = time.perf_counter()
-        sock.sendall(struct.pack("!Q", sum(b.nbytes for b in bufs)))
-        for b in bufs:
-            sock.sendall(memoryview(b))
-        sock.recv_into(ack, 1)
-        conn.send(time.perf_counter() - t)
-    sock.sendall(struct.pack("!Q", 0))
-    sock.close()
-
-
-class SocketMethod(Method):
-    keys = ("socket_blocking",)
-
-    def __init__(self, tokens: list[int]):
-        self.tokens = tokens
-
-    def launch(self) -> None:
-        self.sink, self.sink_conn = _spawn(_socket_sink, max(self.tokens) * BYTES_PER_TOKEN)
-
-    def wait_ready(self, timeout: float) -> None:
-        port = _recv(self.sink_conn, timeout)
-        self.source, self.conn = _spawn(_socket_source, port, self.tokens)
-        _recv(self.conn, timeout)
-
-    def run(self, num_tokens: int, warmup: bool) -> dict[str, tuple[float, float | None]]:
-        self.conn.send(("run", num_tokens))
-        return {"socket_blocking": (_recv(self.conn, 120), None)}
-
-    def stop(self) -> None:
-        _reap([self.source, self.sink], [self.conn])
-
-
-# --- raw UCX ---------------------------------------------------------------------------------
-
-
-class _RawUcx:
-    """One side of a raw UCX run in one of RAW_UCX_MODES."""
-
-    def __init__(self, mode: str):
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        self.mode = mode
-        self.ep: Any = None
-        if mode == "ucx_raw":
-            from kvtransfer.transport.ucx import UcxWorker
-
-            self.worker = UcxWorker.for_running_loop()
-        else:
-            import ucxx
-
-            self.ucxx = ucxx
-            with contextlib.suppress(RuntimeError):  # already initialised in this process
-                ucxx.init(progress_mode="blocking")
-            ucxx.continuous_ucx_progress()
-
-    def address(self) -> bytes:
-        return self.worker.address if self.mode == "ucx_raw" else self.ucxx.get_worker_address().tobytes()
-
-    async def connect(self, hello: Any) -> None:
-        if self.mode == "ucx_raw":
-            self.ep = self.worker.connect(hello)
-        elif self.mode == "ucx_raw_ucxx_asyncio":
-            address = self.ucxx.get_ucx_address_from_buffer(hello)
-            self.ep = await self.ucxx.create_endpoint_from_worker_address(address, endpoint_error_handling=False)
-        else:
-            self.ep = await self.ucxx.create_endpoint("127.0.0.1", hello, endpoint_error_handling=True)
-
-    def send(self, buf: np.ndarray, tag: int) -> Any:
-        if self.mode == "ucx_raw":
-            return self.worker.send(self.ep, memoryview(buf).cast("B"), tag)
-        if self.mode == "ucx_raw_ucxx_asyncio":
-            return self.ep.send(buf, tag=tag, force_tag=True)
-        return self.ep.send(buf, tag=tag)
-
-    def recv(self, buf: np.ndarray, tag: int) -> Any:
-        if self.mode == "ucx_raw":
-            return self.worker.recv(memoryview(buf).cast("B"), tag)
-        if self.mode == "ucx_raw_ucxx_asyncio":
-            return self.ucxx.recv(buf, tag=tag)
-        return self.ep.recv(buf, tag=tag)
-
-    def close(self) -> None:
-        if self.ep is not None:
-            if self.mode == "ucx_raw":
-                self.worker.abort(self.ep)
-            else:
-                self.ep.abort()
-
-
-def _ucx_sink(conn: Connection, max_bytes: int, mode: str) -> None:
-    """Child: per transfer a header (count, part size), then `count` tagged parts into one
-    preallocated buffer, then a 1-byte ack back over UCX. Ends on count 0."""
-
-    async def receive_all(side: _RawUcx) -> None:
-        buf = np.empty(max_bytes, dtype=np.uint8)
-        head = np.empty(2, dtype=np.uint64)
-        ack = np.ones(1, dtype=np.uint8)
-        while True:
-            await side.recv(head, HEAD_TAG)
-            count, part = int(head[0]), int(head[1])
-            if count == 0:
-                return
-            await asyncio.gather(*(side.recv(buf[i * part : (i + 1) * part], PART_TAG) for i in range(count)))
-            await side.send(ack, ACK_TAG)
-
-    async def serve() -> None:
-        side = _RawUcx(mode)
-        if mode == "ucx_raw_sockaddr":
-            done = asyncio.Event()
-
-            async def on_endpoint(ep: Any) -> None:
-                side.ep = ep
-                await receive_all(side)
-                done.set()
-
-            listener = side.ucxx.create_listener(on_endpoint, endpoint_error_handling=True)
-            conn.send(listener.port)
-            await done.wait()
-            listener.close()
-        else:
-            conn.send(side.address())
-            await side.connect(await asyncio.to_thread(conn.recv))  # the source, for acks
-            await receive_all(side)
-        side.close()
-
-    asyncio.run(serve())
-
-
-def _ucx_source(conn: Connection, mode: str, tokens: list[int]) -> None:
-    """Child: per "run n", send the 60 buffers of n tokens (all in flight) and await the ack."""
-
-    async def serve() -> None:
-        side = _RawUcx(mode)
-        conn.send(side.address() if mode != "ucx_raw_sockaddr" else b"")
-        await side.connect(await asyncio.to_thread(conn.recv))
-        data = {n: layer_buffers(n) for n in tokens}
-        ack = np.empty(1, dtype=np.uint8)
-        conn.send("ready")
-        while True:
-            command = await asyncio.to_thread(conn.recv)
-            if command[0] == "idle_cpu":
-                cpu = time.process_time()
-                await asyncio.sleep(1.0)
-                conn.send(round(100 * (time.process_time() - cpu), 1))
-                continue
-            if command[0] != "run":
-                break
-            bufs = data[command[1]]
-            t = time.perf_counter()
-            acked = side.recv(ack, ACK_TAG)
-            await side.send(np.array([len(bufs), bufs[0].nbytes], dtype=np.uint64), HEAD_TAG)
-            await asyncio.gather(*(side.send(b, PART_TAG) for b in bufs))
-            await acked
-            conn.send(time.perf_counter() - t)
-        await side.send(np.zeros(2, dtype=np.uint64), HEAD_TAG)
-        await asyncio.sleep(0.2)
-        side.close()
-
-    asyncio.run(serve())
-
-
-class RawUcxMethod(Method):
-    def __init__(self, mode: str, tokens: list[int]):
-        self.mode = mode
-        self.keys = (mode,)
-        self.tokens = tokens
-
-    def launch(self) -> None:
-        self.sink, self.sink_conn = _spawn(_ucx_sink, max(self.tokens) * BYTES_PER_TOKEN, self.mode)
-        self.source, self.conn = _spawn(_ucx_source, self.mode, self.tokens)
-
-    def wait_ready(self, timeout: float) -> None:
-        sink_hello = _recv(self.sink_conn, timeout)
-        source_address = _recv(self.conn, timeout)
-        if self.mode != "ucx_raw_sockaddr":
-            self.sink_conn.send(source_address)
-        self.conn.send(sink_hello)
-        _recv(self.conn, timeout)
-
-    def run(self, num_tokens: int, warmup: bool) -> dict[str, tuple[float, float | None]]:
-        self.conn.send(("run", num_tokens))
-        return {self.mode: (_recv(self.conn, 120), None)}
-
-    def extras(self) -> dict[str, Any]:
-        self.conn.send(("idle_cpu",))
-        return {"idle_cpu_percent": _recv(self.conn, 30)}
-
-    def stop(self) -> None:
-        _reap([self.source, self.sink], [self.conn])
-
-
-# --- kvtransfer protocol ---------------------------------------------------------------------
-
-
-class ProtocolMethod(Method):
-    """KVSender and KVReceiver children (kvtransfer.loopback) for one ProtocolConfig."""
-
-    def __init__(self, config: ProtocolConfig, tokens: list[int]):
-        from kvtransfer.loopback import Peer, PeerSpec
-
-        self.config = config
-        self.tokens = tokens
-        self.keys = tuple(config.label or t for t in config.transports)
-        spec = PeerSpec(
-            transports=config.transports,
-            num_blocks=-(-max(tokens) // 16),
-            env=config.env,
-            transport_options=config.transport_options,
-            zero_copy=config.zero_copy,
-        )
-        self.receiver, self.sender = Peer("receiver", spec), Peer("sender", spec)
-        self.count = 0
-
-    def launch(self) -> None:
-        self.receiver.launch()
-        self.sender.launch()
-
-    def wait_ready(self, timeout: float) -> None:
-        self.receiver.ready = self.receiver.wait_reply(timeout)
-        self.sender.ready = self.sender.wait_reply(timeout)
-        for n in self.tokens:
-            self.sender.call("prepare", n, n, timeout=120)
-
-    def run(self, num_tokens: int, warmup: bool) -> dict[str, tuple[float, float | None]]:
-        out = {}
-        blocks = list(range(-(-num_tokens // 16)))
-        for key, transport in zip(self.keys, self.config.transports, strict=True):
-            self.count += 1
-            tid = f"{key}-{num_tokens}-{self.count}"
-            self.receiver.call("expect", transport, tid, blocks, num_tokens, 60.0)
-            plan = {"endpoint": self.receiver.ready[transport], "tid": tid, "num_tokens": num_tokens, "seed": num_tokens, "verify": warmup}
-            sent = self.sender.call("send", [plan], timeout=120)["transfers"][0]
-            got = self.receiver.call("result", tid, 60.0, warmup, timeout=120)
-            if not (sent["ok"] and got["ok"]):
-                raise RuntimeError(f"{key} {num_tokens} tokens failed: {sent} {got}")
-            if warmup and sent["kv_crc"] != got["kv_crc"]:  # the warm-up round proves the bytes arrived intact
-                raise RuntimeError(f"{key} {num_tokens} tokens: received KV differs from sent KV")
-            out[key] = (sent["duration_s"], got["transfer_s"])
-        return out
-
-    def stop(self) -> None:
-        from kvtransfer.loopback import Peer
-
-        Peer.stop_all([self.receiver, self.sender])
-
-
-def measure(methods: list[Method], tokens: list[int], repeats: int) -> tuple[dict[str, Any], dict[str, Any]]:
-    """Round-robin over sizes and methods; returns (results by key and size, extras by key)."""
-    sender_s: dict[str, dict[int, list[float]]] = {}
-    receiver_s: dict[str, dict[int, list[float]]] = {}
-    try:
-        for method in methods:
-            method.launch()
-        for method in methods:
-            method.wait_ready(180)
-        for rnd in range(repeats + 1):
-            log.info("round %d/%d", rnd, repeats)
-            for n in tokens:
-                for i in range(len(methods)):
-                    method = methods[(i + rnd) % len(methods)]
-                    for key, (sent, received) in method.run(n, warmup=rnd == 0).items():
-                        if rnd == 0:
-                            continue
-                        sender_s.setdefault(key, {}).setdefault(n, []).append(sent)
-                        if received is not None:
-                            receiver_s.setdefault(key, {}).setdefault(n, []).append(received)
-        extras = {}
-        for method in methods:
-            if found := method.extras():
-                extras[method.keys[0]] = found
-    finally:
-        for method in methods:
-            with contextlib.suppress(Exception):
-                method.stop()
-    results: dict[str, Any] = {}
-    for key, by_size in sender_s.items():
-        results[key] = {}
-        for n, times in by_size.items():
-            summary = summarize(n * BYTES_PER_TOKEN, times)
-            if key in receiver_s:
-                summary["receiver_gbps_best"] = round(n * BYTES_PER_TOKEN / min(receiver_s[key][n]) / 1e9, 3)
-            results[key][str(n)] = summary
-    return results, extras
-
-
-def bench_protocol(config: ProtocolConfig, tokens: list[int], repeats: int) -> dict[str, Any]:
-    """The kvtransfer protocol alone for one config: {transport or label: {tokens: summary}}."""
-    return measure([ProtocolMethod(config, tokens)], tokens, repeats)[0]
-
-
-# --- TTFT hook -------------------------------------------------------------------------------
-
-
-# --- driver ----------------------------------------------------------------------------------
 
 
 def host_info() -> dict[str, Any]:
@@ -611,24 +170,23 @@ NOTES = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench kvtransfer", description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     parser.add_argument("--tokens", type=int, nargs="+", default=list(DEFAULT_TOKENS))
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="socket, ucx_raw and the default protocol only; 3 rounds")
     parser.add_argument("--ttft", action="store_true", help="also measure TTFT with layer-wise streaming on vs off (512-token prompts, real workers)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    repeats = 3 if args.quick else args.repeats
-    tokens = sorted(args.tokens)
+    return parser.parse_args(argv)
 
-    started = time.time()
+
+def run_methods(tokens: list[int], repeats: int, quick: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """memcpy, then every method: (results by key and size, extras by key)."""
     # Interleaved: methods whose idle processes use no CPU. ucxx's asyncio modes busy-wait even
     # when idle, so they would slow everything measured next to them: measured alone, after.
     methods: list[Method] = [SocketMethod(tokens), RawUcxMethod("ucx_raw", tokens)]
-    methods += [ProtocolMethod(c, tokens) for c in (PROTOCOL_CONFIGS[:1] if args.quick else PROTOCOL_CONFIGS)]
-    alone: list[Method] = [] if args.quick else [RawUcxMethod(m, tokens) for m in RAW_UCX_MODES if m != "ucx_raw"]
+    methods += [ProtocolMethod(c, tokens) for c in (PROTOCOL_CONFIGS[:1] if quick else PROTOCOL_CONFIGS)]
+    alone: list[Method] = [] if quick else [RawUcxMethod(m, tokens) for m in RAW_UCX_MODES if m != "ucx_raw"]
     log.info("memcpy")
     results: dict[str, Any] = {"memcpy": bench_memcpy(tokens, repeats)}
     log.info("%d methods interleaved, %d sizes, %d rounds (+1 warm-up)", len(methods), len(tokens), repeats)
@@ -639,7 +197,10 @@ def main(argv: list[str] | None = None) -> int:
         measured, more = measure([method], tokens, repeats)
         results.update(measured)
         extras.update(more)
+    return results, extras
 
+
+def build_report(results: dict[str, Any], extras: dict[str, Any], tokens: list[int], repeats: int, started: float) -> dict[str, Any]:
     largest = max(tokens)
     report: dict[str, Any] = {
         "bench": "kvtransfer",
@@ -664,6 +225,17 @@ def main(argv: list[str] | None = None) -> int:
         "notes": NOTES,
     }
     report["target"]["met"] = bool(report["target"]["ucx_over_socket"] and report["target"]["ucx_over_socket"] >= 1.0)
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    repeats = 3 if args.quick else args.repeats
+    tokens = sorted(args.tokens)
+    started = time.time()
+    results, extras = run_methods(tokens, repeats, args.quick)
+    report = build_report(results, extras, tokens, repeats, started)
     if args.ttft:
         # TTFT with layer-wise streaming on vs off needs real workers: bench/experiments/kv_transfer.py
         # runs it (512-token prompts here) and writes bench/results/kv_transfer.json.

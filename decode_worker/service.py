@@ -1,15 +1,17 @@
 """DecodeWorker gRPC service: admit, receive KV, decode with continuous batching, stream tokens.
 
 Life of one `Decode` call (remote prefill):
-  1. validate and reserve KV blocks for the prompt (`add_remote_request`); when the pool is full the
+  1. validate and reserve KV blocks for the prompt (`reserve_remote_kv`); when the pool is full the
      call waits for blocks up to `admission_timeout_s`, then fails RESOURCE_EXHAUSTED (backpressure);
   2. register the transfer with the KV receiver and answer with `KVAdmission` (endpoint + transfer id);
   3. wait for the KV; a bad or missing transfer aborts the request, frees its blocks and ends the
      stream with a `DecodeFinished` carrying the KV error code;
-  4. stream the prefill worker's first token at once, commit the KV (the request becomes RUNNING) and stream
+  4. commit the KV with the first token the trailer carried (and its logprobs): the engine emits that
+     token as the first output of the request's stream and the request becomes RUNNING; stream
      chunks from the engine's continuous-batching loop until it finishes.
 With `local_prefill` the worker prefills the prompt itself (conditional disaggregation).
 A cancelled call (router gone, deadline) aborts the request on the engine and the receiver.
+A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import grpc
 
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
+from engine.sampler import Sample
 from kvtransfer import KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto
@@ -31,10 +34,6 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-# Test hook (off unless PDSERVE_TEST_FAULT_POINT is set): stall or mark this process before or after a
-# request's KV transfer, or after it streamed N tokens, so a test can kill or stop it exactly there.
-_HOOK = FaultPoint.from_env()
 
 
 class DecodeService(pb_grpc.DecodeWorkerServicer):
@@ -46,13 +45,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         worker_id: str,
         kv_timeout_s: float = 30.0,
         admission_timeout_s: float = 30.0,
+        fault_point: FaultPoint | None = None,
     ):
+        """`fault_point`: test hook (stall or mark at a named point), None in production."""
         self.engine = engine
         self.receiver = receiver
         self.fingerprint = fingerprint
         self.worker_id = worker_id
         self.kv_timeout_s = kv_timeout_s
         self.admission_timeout_s = admission_timeout_s
+        self.fault_point = fault_point
         self.in_flight = 0
         self.draining = False
         self._idle = asyncio.Event()
@@ -107,7 +109,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                     admission_wait_s=admitted - started,
                 ),
             )
-            reached(_HOOK, "decode.before_transfer", request_id)
+            reached(self.fault_point, "decode.before_transfer", request_id)
             try:
                 received = await expected
             except KVTransferError as exc:
@@ -115,14 +117,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 yield _finished(request_id, pb.FINISH_REASON_ERROR, _kv_error(exc))
                 return
             kv_done = time.monotonic()
-            # the prefill worker sampled the first token: stream it now, not after the commit's step boundary
-            yield pb.DecodeResponse(request_id=request_id, chunk=pb.TokenChunk(token_ids=[received.first_token]))
-            await self.engine.call(lambda: self.engine.engine.commit_remote_kv(request_id, received.first_token))
+            first = Sample(received.first_token, received.first_logprob, received.first_top_logprobs)
+            self.engine.commit_remote_kv(request_id, first)  # the stream's first output, at once
             committed = True
-            reached(_HOOK, "decode.after_transfer", request_id)
+            reached(self.fault_point, "decode.after_transfer", request_id)
             timings = pb.StageTimings(decode_admission_s=admitted - started, kv_transfer_s=kv_done - admitted)
             outputs = self.engine.generate_remote(request_id, stream)
-            async for response in self._stream(request_id, outputs, started, context, timings, already_streamed=1):
+            async for response in self._stream(request_id, outputs, started, context, timings):
                 yield response
         finally:
             if not committed:
@@ -134,7 +135,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         deadline = time.monotonic() + self.admission_timeout_s
         while True:
             try:
-                blocks = await self.engine.call(lambda: self.engine.engine.add_remote_request(request_id, prompt, params))
+                blocks = await self.engine.reserve_remote_kv(request_id, prompt, params)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if blocks is not None:
@@ -143,19 +144,17 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
             await asyncio.sleep(0.02)
 
-    async def _stream(self, request_id, outputs, started, context, timings=None, already_streamed: int = 0) -> AsyncIterator[pb.DecodeResponse]:
-        """Engine outputs -> chunks; the first `already_streamed` tokens were sent before the commit."""
+    async def _stream(self, request_id, outputs, started, context, timings=None) -> AsyncIterator[pb.DecodeResponse]:
+        """Engine outputs -> chunks, then the finish message."""
         usage = pb.Usage()
         try:
             async for out in outputs:
                 usage.prompt_tokens = out.num_prompt_tokens or usage.prompt_tokens
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
                 usage.completion_tokens += len(out.new_token_ids)
-                skip = min(already_streamed, len(out.new_token_ids))
-                already_streamed -= skip
-                if len(out.new_token_ids) > skip:
-                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out, skip))
-                    reached(_HOOK, "decode.after_tokens", request_id, usage.completion_tokens)
+                if out.new_token_ids:
+                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
+                    reached(self.fault_point, "decode.after_tokens", request_id, usage.completion_tokens)
                 if out.finished:
                     t = timings or pb.StageTimings()
                     t.e2e_s = time.monotonic() - started

@@ -23,6 +23,9 @@ from deploy.security import Security
 from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from engine import Engine
 from engine.async_engine import AsyncEngine
+from engine.kv_sink import KVLayerSink
+from kvtransfer.faults import FaultPoint
+from prefill_worker.service import LayerStreamer
 
 log = logging.getLogger(__name__)
 
@@ -39,10 +42,10 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_engine(config: PdserveConfig, role: str) -> AsyncEngine:
+def build_engine(config: PdserveConfig, role: str, kv_sink: KVLayerSink | None = None) -> AsyncEngine:
     pool = getattr(config.pools, role)
     threads = config.engine.num_threads or pool.num_threads or max(1, int(pool.num_cpus))
-    engine = Engine(dataclasses.replace(config.engine, num_threads=threads))
+    engine = Engine(dataclasses.replace(config.engine, num_threads=threads), kv_sink=kv_sink)
     front = AsyncEngine(engine)
     front.start()
     return front
@@ -63,16 +66,18 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
     from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
     security = Security.from_config(config.security)
-    engine = build_engine(config, role)
     kv = config.kv_transfer
-    model_fingerprint = fingerprint(engine.engine.layout, engine.engine.loaded.config.to_json_string())
+    fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
+    streamer = LayerStreamer(fault_point) if role == "prefill" and kv.layerwise else None
+    engine = build_engine(config, role, kv_sink=streamer)
+    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
     if role == "decode":
         from decode_worker.service import DecodeService
         from kvtransfer import KVReceiver
 
-        receiver = KVReceiver(engine.engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
+        receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
         await receiver.start()
-        service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s)
+        service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point)
         service_name = "pdserve.v1.DecodeWorker"
         closers = [receiver.close]
     else:
@@ -82,7 +87,7 @@ async def _serve(role: str, config: PdserveConfig, args: argparse.Namespace, wor
 
         sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret,
                           wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
-        service = PrefillService(engine, sender, model_fingerprint, worker_id, layerwise=kv.layerwise, ack_timeout_s=kv.timeout_s)
+        service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)
         service_name = "pdserve.v1.PrefillWorker"
         closers = [lambda: asyncio.to_thread(sender.close)]
     server, port, health_servicer = create_server(args.host, args.port, [service_name], security, protected=[service_name])

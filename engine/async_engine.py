@@ -5,6 +5,13 @@ Lifecycle: `start()` launches the loop thread; `generate()` submits a request an
 aborts the request in the engine and frees its blocks; `stop()` aborts everything and joins the
 thread. Every engine call happens on the loop thread: other threads only enqueue commands, so the
 engine itself needs no locks.
+
+This is the only door the workers use. A decode worker reserves blocks for a prompt whose KV comes
+from elsewhere (`reserve_remote_kv`), opens its stream (`open_stream`), and once the KV has landed
+`commit_remote_kv` delivers the prefill worker's first token as the stream's first output and lets
+the request run (`generate_remote` streams the rest). A prefill worker runs `generate(...,
+prefill_only=True)`, reads the held prompt's KV (`prompt_kv`, or layer by layer through the
+`KVLayerSink` it gave the `Engine`) and frees it with `release`.
 """
 
 from __future__ import annotations
@@ -16,8 +23,12 @@ import threading
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+import torch
+
 from engine.engine import Engine, EngineStats, RequestOutput
 from engine.errors import EngineError
+from engine.kv_cache import KVCache, KVLayout
+from engine.sampler import Sample
 from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
@@ -25,7 +36,7 @@ log = logging.getLogger(__name__)
 
 class AsyncEngine:
     def __init__(self, engine: Engine):
-        self.engine = engine
+        self._engine = engine
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -48,6 +59,20 @@ class AsyncEngine:
         self._thread.join(timeout=30)
         self._thread = None
 
+    # ---- what the KV transfer needs to know -----------------------------------------------------
+    @property
+    def layout(self) -> KVLayout:
+        return self._engine.layout
+
+    @property
+    def kv_cache(self) -> KVCache:
+        """The paged pool a KV receiver writes remote prompts into (blocks from `reserve_remote_kv`)."""
+        return self._engine.kv_cache
+
+    @property
+    def model_config_json(self) -> str:
+        return self._engine.loaded.config.to_json_string()
+
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
@@ -55,7 +80,7 @@ class AsyncEngine:
         """Submit a request and stream its outputs; raises the engine's validation error up front."""
         stream = self._open_stream(request_id)
         try:
-            await self.call(lambda: self.engine.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only))
+            await self._call(lambda: self._engine.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -63,7 +88,7 @@ class AsyncEngine:
             yield out
 
     async def generate_remote(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
-        """Stream outputs of a request admitted with `add_remote_request` (stream opened by `open_stream`)."""
+        """Stream outputs of a request reserved with `reserve_remote_kv` (stream opened by `open_stream`)."""
         async for out in self._drain(request_id, stream):
             yield out
 
@@ -74,12 +99,40 @@ class AsyncEngine:
         self._streams.pop(request_id, None)
 
     async def abort(self, request_id: str) -> None:
-        await self.call(lambda: self.engine.abort(request_id))
+        await self._call(lambda: self._engine.abort(request_id))
 
     async def stats(self) -> EngineStats:
-        return await self.call(self.engine.stats)
+        return await self._call(self._engine.stats)
 
-    async def call(self, fn: Callable[[], Any]) -> Any:
+    # ---- remote prefill (decode worker) ---------------------------------------------------------
+    async def reserve_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+        """Blocks to receive the prompt's KV into, or None when the pool has no room now."""
+        return await self._call(lambda: self._engine.add_remote_request(request_id, prompt_token_ids, params))
+
+    def commit_remote_kv(self, request_id: str, first: Sample) -> None:
+        """The KV has landed: `first` (sampled by the prefill worker) becomes the first output of the
+        request's stream at once, and the request decodes from the next step on (the commit is queued
+        before that step; nothing waits for the step boundary)."""
+        self._deliver(request_id, self._engine.accept_first_token(request_id, first))
+        self._submit(lambda: self._engine.commit_remote_kv(request_id))
+
+    # ---- prefill-only requests (prefill worker) -------------------------------------------------
+    async def prompt_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every layer's K and V of a held prefill-only request's prompt (copies)."""
+        return await self._call(lambda: self._engine.prompt_kv(request_id))
+
+    async def release(self, request_id: str) -> None:
+        """Free a prefill-only request's blocks (its KV was sent, or the call failed). Aborts it first:
+        a call cancelled while its `generate` waited for the engine thread leaves a request to run."""
+
+        def release() -> None:
+            self._engine.abort(request_id)
+            self._engine.release(request_id)
+
+        await self._call(release)
+
+    # ---- internals -----------------------------------------------------------------------------
+    async def _call(self, fn: Callable[[], Any]) -> Any:
         """Run `fn` on the engine thread between steps and return its result."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future = loop.create_future()
@@ -96,7 +149,6 @@ class AsyncEngine:
         self._wakeup.set()
         return await future
 
-    # ---- internals -----------------------------------------------------------------------------
     def _open_stream(self, request_id: str) -> asyncio.Queue:
         if request_id in self._streams:
             raise EngineError(f"request {request_id!r} already has a stream")
@@ -118,18 +170,17 @@ class AsyncEngine:
         finally:
             self._streams.pop(request_id, None)
             if not finished:
-                self._commands.put(lambda: self.engine.abort(request_id))
-                self._wakeup.set()
+                self._submit(lambda: self._engine.abort(request_id))
 
     def _loop(self) -> None:
         while self._running:
             self._run_commands()
-            if not self.engine.has_work():
+            if not self._engine.has_work():
                 self._wakeup.wait(timeout=0.5)
                 self._wakeup.clear()
                 continue
             try:
-                outputs = self.engine.step()
+                outputs = self._engine.step()
             except Exception as exc:  # a broken step fails the requests in it, not the process
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -138,9 +189,14 @@ class AsyncEngine:
                 self._deliver(out.request_id, out)
         self._run_commands()
         for request_id in list(self._streams):
-            self.engine.abort(request_id)
-        for out in self.engine.step() if self.engine.has_work() else []:
+            self._engine.abort(request_id)
+        for out in self._engine.step() if self._engine.has_work() else []:
             self._deliver(out.request_id, out)
+
+    def _submit(self, command: Callable[[], None]) -> None:
+        """Queue `command` for the engine thread's next step boundary without waiting for it."""
+        self._commands.put(command)
+        self._wakeup.set()
 
     def _run_commands(self) -> None:
         while True:
@@ -158,7 +214,7 @@ class AsyncEngine:
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):
-            self.engine.abort(request_id)
+            self._engine.abort(request_id)
             self._deliver(request_id, EngineError(f"engine step failed: {exc}"))
 
 

@@ -4,9 +4,11 @@ Lifecycle of a request: `add_request` validates it and queues it (WAITING); ever
 Scheduler what to run, has the ModelRunner compute it, samples the requests whose last token was
 computed, applies stop rules and returns one `RequestOutput` per request that produced a token or
 finished. A finished request's blocks are freed at once, except a prefill-only request
-(FINISHED_PREFILLED), which keeps them until `release()` after its KV has been shipped. A decode
-worker adds requests whose prefill ran elsewhere with `add_remote_request` (WAITING_FOR_REMOTE_KV)
-and makes them runnable with `commit_remote_kv` once the KV sits in their blocks.
+(FINISHED_PREFILLED), which keeps them until `release()` after its KV has been shipped: layer by
+layer during that step to the `KVLayerSink` given at construction, or all at once via `prompt_kv`.
+A decode worker adds requests whose prefill ran elsewhere with `add_remote_request`
+(WAITING_FOR_REMOTE_KV) and makes them runnable with `commit_remote_kv` once the KV sits in their
+blocks; that call returns the request's first output (the token the prefill worker sampled).
 The engine is single-threaded: use `AsyncEngine` to drive it from asyncio.
 """
 
@@ -22,11 +24,12 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
+from engine.kv_sink import KVLayerSink
 from engine.model_loader import LoadedModel, load_model
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
+from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
-from engine.scheduler import Scheduler, SchedulerConfig
+from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, RequestState, Sequence
 
 log = logging.getLogger(__name__)
@@ -61,8 +64,9 @@ class EngineStats:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, kv_sink: KVLayerSink | None = None):
         self.config = config
+        self.kv_sink = kv_sink
         self._apply_num_threads()
         self.loaded = loaded or load_model(config.model, config.dtype, config.device)
         model_config = self.loaded.config
@@ -89,8 +93,6 @@ class Engine:
         self._pending_outputs: list[RequestOutput] = []
         self._num_preemptions = 0
         self._steps = 0
-        self.on_layer_written: Callable[[list[Sequence], int], None] | None = None
-        """Set by a prefill worker: called after each layer with the requests finishing prefill this step."""
         log.info("engine ready: %s, %d KV blocks (%.0f MiB)", self.loaded.path, num_blocks, self.kv_cache.nbytes / 2**20)
 
     # ---- request intake ------------------------------------------------------------------------
@@ -112,19 +114,30 @@ class Engine:
         self._requests[request_id] = seq
         return list(seq.block_ids)
 
-    def commit_remote_kv(self, request_id: str, first_token_id: int) -> None:
-        """The prompt's KV is in the request's blocks and the prefill worker sampled `first_token_id`."""
-        seq = self._requests[request_id]
-        if seq.state is not RequestState.WAITING_FOR_REMOTE_KV:
+    def accept_first_token(self, request_id: str, first: Sample) -> RequestOutput:
+        """The prompt's KV is in the request's blocks and the prefill worker sampled `first` (with its
+        logprobs when asked): append it and return the request's first output. This touches only that
+        request, which no step schedules before `commit_remote_kv`, so the async front may call it the
+        moment the KV is validated instead of waiting for the next step boundary."""
+        seq = self._requests.get(request_id)
+        if seq is None or seq.state is not RequestState.WAITING_FOR_REMOTE_KV or seq.output_token_ids:
             raise InvalidRequestError("request_id", f"{request_id!r} is not waiting for remote KV")
         seq.num_computed_tokens = seq.num_prompt_tokens
-        self.blocks.commit_computed(seq)
-        self.scheduler.add_running(seq)
         out = RequestOutput(request_id, num_prompt_tokens=seq.num_prompt_tokens)
-        self._append_token(seq, first_token_id, out)
+        self._emit(seq, first, out)
+        return out
+
+    def commit_remote_kv(self, request_id: str) -> None:
+        """After `accept_first_token`: the prompt's blocks join the prefix cache and the request runs
+        from the next step (or is freed, when its first token already finished it)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return  # aborted in between
+        self.blocks.commit_computed(seq)
         if seq.state.finished:
             self._finish(seq)
-        self._pending_outputs.append(out)
+        else:
+            self.scheduler.add_running(seq)
 
     def abort(self, request_id: str) -> None:
         seq = self._requests.get(request_id)
@@ -137,10 +150,10 @@ class Engine:
             RequestOutput(request_id, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=seq.num_prompt_tokens)
         )
 
-    def held_kv(self, request_id: str) -> tuple[list[int], int]:
-        """Blocks and prompt length of a prefill-only request whose KV is held for sending."""
+    def prompt_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Copies of every layer's K and V of a held prefill-only request's prompt, for sending."""
         seq = self._requests[request_id]
-        return list(seq.block_ids), seq.num_prompt_tokens
+        return [self.kv_cache.read_tokens(layer, seq.block_ids, seq.num_prompt_tokens) for layer in range(self.layout.num_layers)]
 
     def release(self, request_id: str) -> None:
         """Free a prefill-only request's blocks once its KV has been sent (or given up on)."""
@@ -160,21 +173,14 @@ class Engine:
             return outputs
         self._steps += 1
         self._apply_num_threads()
-        finishing_prefill = [s.seq for s in plan.scheduled if s.samples and s.seq.prefill_only]
-        hook = None
-        if finishing_prefill and self.on_layer_written is not None:
-            hook = lambda layer: self.on_layer_written(finishing_prefill, layer)  # noqa: E731
-        ordered, logits = self.runner.execute(plan.scheduled, hook)
+        ordered, logits = self.runner.execute(plan.scheduled, self._layer_hook(plan.scheduled))
         sampling = [s.seq for s in ordered if s.samples]
         for item in ordered:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)
         for seq, sample in zip(sampling, self.sampler.sample(logits, sampling)):
             out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
-            self._append_token(seq, sample.token_id, out)
-            if sample.logprob is not None:
-                out.logprobs.append(sample.logprob)
-                out.top_logprobs.append(sample.top_logprobs)
+            self._emit(seq, sample, out)
             if seq.state.finished:
                 self.scheduler.remove(seq)
                 self._finish(seq)
@@ -224,9 +230,31 @@ class Engine:
             )
         return Sequence(request_id, list(prompt), params, prefill_only=prefill_only)
 
-    def _append_token(self, seq: Sequence, token_id: int, out: RequestOutput) -> None:
+    def _layer_hook(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
+        """What the model runner calls after each layer: hand the layer's KV of prompts finishing
+        prefill this step to the sink (None when there is no sink or nothing it wants)."""
+        sink = self.kv_sink
+        if sink is None:
+            return None
+        seqs = [s.seq for s in scheduled if s.samples and s.seq.prefill_only and sink.wants(s.seq.request_id)]
+        if not seqs:
+            return None
+
+        def layer_written(layer: int) -> None:
+            for seq in seqs:
+                k, v = self.kv_cache.read_tokens(layer, seq.block_ids, seq.num_prompt_tokens)
+                sink.layer_ready(seq.request_id, layer, k, v)
+
+        return layer_written
+
+    def _emit(self, seq: Sequence, sample: Sample, out: RequestOutput) -> None:
+        """Append a sampled token (and its logprobs, when asked) to the request and its output."""
+        token_id = sample.token_id
         seq.append_token(token_id)
         out.new_token_ids.append(token_id)
+        if sample.logprob is not None:
+            out.logprobs.append(sample.logprob)
+            out.top_logprobs.append(sample.top_logprobs)
         if seq.prefill_only:
             seq.state = RequestState.FINISHED_PREFILLED
         elif token_id in seq.params.stop_token_ids or (not seq.params.ignore_eos and token_id in self.eos_token_ids):

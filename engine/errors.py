@@ -24,6 +24,3 @@ class ModelLoadError(EngineError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
-
-class CapacityError(EngineError):
-    """The request can never fit this engine's KV pool (even running alone)."""

@@ -26,7 +26,6 @@ class RequestState(enum.Enum):
     FINISHED_LENGTH = "finished_length"
     FINISHED_ABORTED = "finished_aborted"
     FINISHED_PREFILLED = "finished_prefilled"
-    FINISHED_ERROR = "finished_error"
 
     @property
     def finished(self) -> bool:
@@ -46,7 +45,6 @@ _FINISH_REASONS = {
     RequestState.FINISHED_LENGTH: FinishReason.LENGTH,
     RequestState.FINISHED_ABORTED: FinishReason.ABORT,
     RequestState.FINISHED_PREFILLED: FinishReason.PREFILLED,
-    RequestState.FINISHED_ERROR: FinishReason.ERROR,
 }
 
 
@@ -64,7 +62,6 @@ class Sequence:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at admission."""
     num_preemptions: int = 0
-    first_scheduled_time: float | None = None
 
     @property
     def token_ids(self) -> list[int]:

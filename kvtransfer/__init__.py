@@ -5,7 +5,7 @@ Decode worker (receiver side), on its event loop::
     receiver = KVReceiver(kv_cache, transport="ucx", host="127.0.0.1")     # port 0: OS picks
     endpoint = await receiver.start()           # KVEndpoint(host, port, transport): advertise it
     fut = receiver.expect(transfer_id, block_ids, num_tokens, fingerprint(layout, cfg_json), timeout=30)
-    received = await fut                        # ReceivedKV(first_token=..., transfer_s=...)
+    received = await fut                        # ReceivedKV(first_token=..., first_logprob=..., transfer_s=...)
     receiver.cancel(transfer_id)                # e.g. client gone: fut fails with TransferAborted
     await receiver.close()
 
@@ -19,7 +19,7 @@ thread calls it right after each layer's forward::
                                                 # (both sides: secret=... to sign/check headers)
     xfer = sender.begin(endpoint, TransferHeader.for_layout(transfer_id, layout, n, fp))
     xfer.send_layer(layer, k, v)                # [n, kv_heads, head_dim] each, per layer
-    xfer.finish(first_token_id)                 # returns a concurrent.futures.Future as well
+    xfer.finish(first_token_id, logprob, top)   # logprobs optional; returns a concurrent.futures.Future too
     ack = await xfer.wait(timeout=30)           # TransferAck, from any event loop
     sender.close()
 
@@ -42,9 +42,9 @@ from kvtransfer.errors import (
     UnknownTransfer,
 )
 from kvtransfer.faults import FaultInjector
-from kvtransfer.messages import KVEndpoint, ReceivedKV, TransferAck
-from kvtransfer.receiver import KVReceiver, ReceiverStats
-from kvtransfer.sender import KVSender, OutgoingTransfer, SenderStats
+from kvtransfer.messages import KVEndpoint, ReceivedKV, ReceiverStats, SenderStats, TransferAck
+from kvtransfer.receiver import KVReceiver
+from kvtransfer.sender import KVSender, OutgoingTransfer
 from kvtransfer.transport.base import Channel, Listener, Transport, get_transport
 from kvtransfer.wire import TransferHeader, fingerprint
 

@@ -10,6 +10,7 @@ they catch every burst error up to 32 bits; both release the GIL on large buffer
 
 from __future__ import annotations
 
+import asyncio
 import zlib
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -26,6 +27,9 @@ except ImportError:  # optional dependency; zlib.crc32 is the fallback
     _CRC32C_FAST = False
 
 DEFAULT = "crc32"
+
+# Checksums of payloads at least this large run in a worker thread (they release the GIL).
+_THREAD_BYTES = 256 << 10
 
 
 def supported() -> tuple[str, ...]:
@@ -50,6 +54,13 @@ def compute(algorithm: str, buffers: Iterable[Any], value: int = 0) -> int:
     for buf in buffers:
         value = fn(buf, value)
     return value
+
+
+async def compute_off_loop(algorithm: str, buffers: Sequence[Any], nbytes: int) -> int:
+    """`compute` from an event loop: in a worker thread when the `nbytes` to checksum are many."""
+    if nbytes >= _THREAD_BYTES:
+        return await asyncio.to_thread(compute, algorithm, buffers)
+    return compute(algorithm, buffers)
 
 
 def is_supported(algorithm: str) -> bool:

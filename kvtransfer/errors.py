@@ -26,9 +26,16 @@ class ErrorCode(IntEnum):
 
 
 class KVTransferError(Exception):
-    """Base class: a transfer failed and its KV must not be used."""
+    """Base class: a transfer failed and its KV must not be used. A subclass names its code
+    (`class X(KVTransferError, code=ErrorCode.X)`), which makes it the one `error_from_code` rebuilds."""
 
     code: ErrorCode = ErrorCode.PROTOCOL
+    _by_code: dict[ErrorCode, type[KVTransferError]] = {}
+
+    def __init_subclass__(cls, code: ErrorCode, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.code = code
+        KVTransferError._by_code[code] = cls
 
     def __init__(self, message: str, transfer_id: str | None = None):
         super().__init__(message)
@@ -39,73 +46,42 @@ class KVTransferError(Exception):
         return f"[{self.transfer_id}] {text}" if self.transfer_id else text
 
 
-class FingerprintMismatch(KVTransferError):
+class FingerprintMismatch(KVTransferError, code=ErrorCode.FINGERPRINT_MISMATCH):
     """Sender and receiver run different models, dtypes or KV layouts."""
 
-    code = ErrorCode.FINGERPRINT_MISMATCH
 
-
-class ShapeMismatch(KVTransferError):
+class ShapeMismatch(KVTransferError, code=ErrorCode.SHAPE_MISMATCH):
     """Header, layer index or payload size disagrees with what the receiver expects."""
 
-    code = ErrorCode.SHAPE_MISMATCH
 
-
-class ChecksumMismatch(KVTransferError):
+class ChecksumMismatch(KVTransferError, code=ErrorCode.CHECKSUM_MISMATCH):
     """Payload bytes differ from what the sender checksummed (corruption in flight)."""
 
-    code = ErrorCode.CHECKSUM_MISMATCH
 
-
-class TransferTimeout(KVTransferError):
+class TransferTimeout(KVTransferError, code=ErrorCode.TIMEOUT):
     """A wait (expect, connect, ack) ran past its deadline."""
 
-    code = ErrorCode.TIMEOUT
 
-
-class UnknownTransfer(KVTransferError):
+class UnknownTransfer(KVTransferError, code=ErrorCode.UNKNOWN_TRANSFER):
     """The receiver was not expecting this transfer id (never, or no longer)."""
 
-    code = ErrorCode.UNKNOWN_TRANSFER
 
-
-class TransferAborted(KVTransferError):
+class TransferAborted(KVTransferError, code=ErrorCode.ABORTED):
     """The peer disconnected mid-transfer, or a side aborted or cancelled it."""
 
-    code = ErrorCode.ABORTED
 
-
-class ProtocolError(KVTransferError):
+class ProtocolError(KVTransferError, code=ErrorCode.PROTOCOL):
     """Malformed frame or a frame out of order; the connection is dropped."""
 
-    code = ErrorCode.PROTOCOL
 
-
-class AuthenticationFailed(KVTransferError):
+class AuthenticationFailed(KVTransferError, code=ErrorCode.UNAUTHENTICATED):
     """The sender's header does not prove the cluster's shared secret; nothing was written."""
-
-    code = ErrorCode.UNAUTHENTICATED
-
-
-_BY_CODE: dict[ErrorCode, type[KVTransferError]] = {
-    cls.code: cls
-    for cls in (
-        FingerprintMismatch,
-        ShapeMismatch,
-        ChecksumMismatch,
-        TransferTimeout,
-        UnknownTransfer,
-        TransferAborted,
-        ProtocolError,
-        AuthenticationFailed,
-    )
-}
 
 
 def error_from_code(code: int, message: str, transfer_id: str | None = None) -> KVTransferError:
     """Rebuild the typed exception a peer reported as `code`."""
     try:
-        cls = _BY_CODE[ErrorCode(code)]
+        cls = KVTransferError._by_code[ErrorCode(code)]
     except (ValueError, KeyError):
         cls = ProtocolError
         message = f"unknown error code {code}: {message}"

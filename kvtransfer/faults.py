@@ -1,6 +1,8 @@
 """Test hooks that break things on purpose, to prove pdserve detects every failure and loses nothing.
 
-Two kinds of hook live here, both off unless configured:
+Two kinds of hook live here, both off unless configured. Both are built once, when a process
+starts (the worker's main reads the config and the environment; a test harness builds its own),
+and handed to the constructors of the objects that call them: no hot path reads the environment.
 
 * `FaultInjector` damages KV transfers. A `KVSender` is given one (built from the config field
   `kv_transfer.faults`, else from the environment variable `PDSERVE_KV_FAULTS` of a worker

@@ -25,58 +25,18 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Self
 
 from engine.kv_cache import KVCache
-from kvtransfer import checksum, codec
+from kvtransfer import checksum, codec, errors
 from kvtransfer.buffers import K, PoolTarget, V
-from kvtransfer.errors import (
-    AuthenticationFailed,
-    ChecksumMismatch,
-    ErrorCode,
-    FingerprintMismatch,
-    KVTransferError,
-    ProtocolError,
-    ShapeMismatch,
-    TransferAborted,
-    TransferTimeout,
-)
-from kvtransfer.messages import KVEndpoint, ReceivedKV
-from kvtransfer.transport.base import (
-    Channel,
-    ChannelClosed,
-    Listener,
-    Transport,
-    get_transport,
-)
-from kvtransfer.wire import (
-    Frame,
-    FrameKind,
-    LayerMeta,
-    Result,
-    Trailer,
-    TransferHeader,
-    decode_reason,
-    digest,
-    verify_begin,
-)
+from kvtransfer.errors import ErrorCode, KVTransferError
+from kvtransfer.messages import KVEndpoint, ReceivedKV, ReceiverStats
+from kvtransfer.transport.base import Channel, ChannelClosed, Listener, Transport, get_transport
+from kvtransfer.wire import Frame, FrameKind, LayerMeta, Result, Trailer, TransferHeader, decode_reason, digest, verify_begin
 
 log = logging.getLogger(__name__)
-
-# Checksums of payloads at least this large run in a worker thread (they release the GIL).
-_THREAD_CHECKSUM_BYTES = 256 << 10
-
-
-@dataclass
-class ReceiverStats:
-    bytes_received: int = 0
-    """KV bytes of completed transfers."""
-    layers_landed: int = 0
-    """Layers written and verified, of completed and unfinished transfers (progress)."""
-    completed: int = 0
-    failed: Counter[str] = field(default_factory=Counter)
 
 
 @dataclass(eq=False)
@@ -149,7 +109,7 @@ class KVReceiver:
         """Fail every pending transfer (TransferAborted), close connections and the listener."""
         self._closing = True
         for xfer in list(self._expected.values()):
-            self._fail(xfer, TransferAborted("receiver is closing", xfer.transfer_id))
+            self._fail(xfer, errors.TransferAborted("receiver is closing", xfer.transfer_id))
         if self._listener is not None:
             await self._listener.close()
         if self._tasks:
@@ -201,7 +161,7 @@ class KVReceiver:
         xfer = self._expected.get(transfer_id)
         if xfer is None:
             return False
-        self._fail(xfer, TransferAborted(reason, transfer_id))
+        self._fail(xfer, errors.TransferAborted(reason, transfer_id))
         return True
 
     @property
@@ -221,11 +181,11 @@ class KVReceiver:
                     self._track(channel.discard_payload(frame))
         except ChannelClosed:
             pass
-        except ProtocolError as exc:
+        except errors.ProtocolError as exc:
             log.warning("dropping KV connection from %s: %s", channel.peer, exc)
         finally:
             for xfer in list(streams.values()):
-                self._fail(xfer, TransferAborted(f"sender {channel.peer} disconnected mid-transfer", xfer.transfer_id))
+                self._fail(xfer, errors.TransferAborted(f"sender {channel.peer} disconnected mid-transfer", xfer.transfer_id))
             await channel.close()
 
     def _dispatch(self, channel: Channel, streams: dict[int, _Transfer], frame: Frame) -> bool:
@@ -240,18 +200,18 @@ class KVReceiver:
             xfer = streams.pop(frame.stream, None)
             if xfer is not None:
                 reason = decode_reason(frame.body)
-                self._fail(xfer, TransferAborted(f"sender aborted: {reason}", xfer.transfer_id), notify=False)
+                self._fail(xfer, errors.TransferAborted(f"sender aborted: {reason}", xfer.transfer_id), notify=False)
         else:
-            raise ProtocolError(f"unexpected {frame.kind.name} frame from a sender")
+            raise errors.ProtocolError(f"unexpected {frame.kind.name} frame from a sender")
         return False
 
     def _on_begin(self, channel: Channel, streams: dict[int, _Transfer], frame: Frame) -> None:
         if frame.stream in streams:
-            raise ProtocolError(f"stream {frame.stream} begun twice")
+            raise errors.ProtocolError(f"stream {frame.stream} begun twice")
         try:
             header = TransferHeader.decode(frame.body)
             refusal = verify_begin(frame.body, self._secret)
-        except ProtocolError as exc:
+        except errors.ProtocolError as exc:
             self._reply(channel, frame.stream, exc.code, str(exc))
             return
         if refusal is not None:
@@ -277,25 +237,25 @@ class KVReceiver:
     def _refuse(self, channel: Channel, stream: int, header: TransferHeader, reason: str) -> None:
         """An unauthenticated BEGIN: answer UNAUTHENTICATED and leave the expected transfer of that
         id (if any) untouched, still waiting for its real sender; its layers are discarded."""
-        error = AuthenticationFailed(reason, header.transfer_id)
+        error = errors.AuthenticationFailed(reason, header.transfer_id)
         log.warning("refusing KV transfer from %s: %s", channel.peer, error)
         self.stats.failed[error.code.name] += 1
         self._reply(channel, stream, error.code, str(error))
 
     def _check_header(self, xfer: _Transfer, header: TransferHeader) -> KVTransferError | None:
         if header.fingerprint != xfer.fingerprint:
-            return FingerprintMismatch(
+            return errors.FingerprintMismatch(
                 f"sender model fingerprint {header.fingerprint} != ours {xfer.fingerprint}", xfer.transfer_id
             )
         if not checksum.is_supported(header.checksum):
-            return ProtocolError(f"checksum {header.checksum!r} is not supported here", xfer.transfer_id)
+            return errors.ProtocolError(f"checksum {header.checksum!r} is not supported here", xfer.transfer_id)
         if header.wire_dtype not in codec.WIRE_DTYPES[1:]:
-            return ProtocolError(f"wire dtype {header.wire_dtype!r} is not supported here", xfer.transfer_id)
+            return errors.ProtocolError(f"wire dtype {header.wire_dtype!r} is not supported here", xfer.transfer_id)
         layout_problem = header.layout_mismatch(self.cache.layout)
         if layout_problem is not None:
-            return ShapeMismatch(layout_problem, xfer.transfer_id)
+            return errors.ShapeMismatch(layout_problem, xfer.transfer_id)
         if header.num_tokens != xfer.num_tokens:
-            return ShapeMismatch(f"sender has {header.num_tokens} tokens, expected {xfer.num_tokens}", xfer.transfer_id)
+            return errors.ShapeMismatch(f"sender has {header.num_tokens} tokens, expected {xfer.num_tokens}", xfer.transfer_id)
         return None
 
     def _on_layer(self, channel: Channel, streams: dict[int, _Transfer], frame: Frame) -> bool:
@@ -306,12 +266,12 @@ class KVReceiver:
         meta = LayerMeta.decode(frame.body)
         size = xfer.target.part_nbytes
         if not 0 <= meta.layer < xfer.header.num_layers or meta.layer in xfer.layers_seen:
-            self._fail(xfer, ShapeMismatch(f"layer {meta.layer} out of range or repeated", xfer.transfer_id))
+            self._fail(xfer, errors.ShapeMismatch(f"layer {meta.layer} out of range or repeated", xfer.transfer_id))
             return False
         if frame.part_sizes != (size, size) or (meta.k_nbytes, meta.v_nbytes) != (size, size):
             self._fail(
                 xfer,
-                ShapeMismatch(f"layer {meta.layer} carries {frame.part_sizes} B, expected K and V of {size} B", xfer.transfer_id),
+                errors.ShapeMismatch(f"layer {meta.layer} carries {frame.part_sizes} B, expected K and V of {size} B", xfer.transfer_id),
             )
             return False
         xfer.layers_seen.add(meta.layer)
@@ -326,22 +286,19 @@ class KVReceiver:
         try:
             await landed
         except Exception as exc:  # noqa: BLE001 - ChannelClosed or any transport error
-            self._fail(xfer, TransferAborted(f"layer {meta.layer} lost: {exc}", xfer.transfer_id))
+            self._fail(xfer, errors.TransferAborted(f"layer {meta.layer} lost: {exc}", xfer.transfer_id))
             return
         if xfer.failed:
             return
         assert xfer.header is not None
-        algorithm, buffers = xfer.header.checksum, views[K] + views[V]
-        if meta.k_nbytes + meta.v_nbytes >= _THREAD_CHECKSUM_BYTES:
-            crc = await asyncio.to_thread(checksum.compute, algorithm, buffers)
-        else:
-            crc = checksum.compute(algorithm, buffers)
+        algorithm = xfer.header.checksum
+        crc = await checksum.compute_off_loop(algorithm, views[K] + views[V], meta.k_nbytes + meta.v_nbytes)
         if xfer.failed:
             return
         if crc != meta.crc:
             self._fail(
                 xfer,
-                ChecksumMismatch(f"layer {meta.layer} {algorithm} {crc:#010x} != sent {meta.crc:#010x}", xfer.transfer_id),
+                errors.ChecksumMismatch(f"layer {meta.layer} {algorithm} {crc:#010x} != sent {meta.crc:#010x}", xfer.transfer_id),
             )
             return
         assert xfer.target is not None
@@ -365,10 +322,10 @@ class KVReceiver:
         assert xfer.header is not None
         n = xfer.header.num_layers
         if len(xfer.layer_crcs) != n or trailer.num_layers != n:
-            self._fail(xfer, ShapeMismatch(f"got {len(xfer.layer_crcs)} of {n} layers at trailer", xfer.transfer_id))
+            self._fail(xfer, errors.ShapeMismatch(f"got {len(xfer.layer_crcs)} of {n} layers at trailer", xfer.transfer_id))
             return
         if digest([xfer.layer_crcs[i] for i in range(n)], xfer.header.checksum) != trailer.digest:
-            self._fail(xfer, ChecksumMismatch("transfer digest mismatch", xfer.transfer_id))
+            self._fail(xfer, errors.ChecksumMismatch("transfer digest mismatch", xfer.transfer_id))
             return
         self._finish(xfer)
         result = ReceivedKV(
@@ -378,6 +335,8 @@ class KVReceiver:
             nbytes=xfer.header.nbytes,
             wait_s=xfer.begun_at - xfer.expected_at,
             transfer_s=time.monotonic() - xfer.begun_at,
+            first_logprob=trailer.logprob,
+            first_top_logprobs=dict(trailer.top_logprobs),
         )
         self.stats.completed += 1
         self.stats.bytes_received += result.nbytes
@@ -390,7 +349,7 @@ class KVReceiver:
 
     def _on_deadline(self, xfer: _Transfer, timeout: float) -> None:
         state = "no sender began it" if xfer.channel is None else f"{len(xfer.layer_crcs)} layers verified"
-        self._fail(xfer, TransferTimeout(f"not complete after {timeout:.3g}s ({state})", xfer.transfer_id))
+        self._fail(xfer, errors.TransferTimeout(f"not complete after {timeout:.3g}s ({state})", xfer.transfer_id))
 
     def _finish(self, xfer: _Transfer) -> None:
         """Forget a transfer: later frames of its stream are dropped as unknown."""

@@ -26,10 +26,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import itertools
 import logging
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Self
 
@@ -37,41 +37,14 @@ import torch
 
 from engine.kv_cache import KVCache
 from kvtransfer import checksum, codec
-from kvtransfer.codec import WirePolicy
-from kvtransfer.errors import (
-    ErrorCode,
-    KVTransferError,
-    ProtocolError,
-    ShapeMismatch,
-    TransferAborted,
-    TransferTimeout,
-    error_from_code,
-)
+from kvtransfer.connection import Connection
+from kvtransfer.errors import ErrorCode, KVTransferError, ProtocolError, ShapeMismatch, TransferAborted, TransferTimeout, error_from_code
 from kvtransfer.faults import FaultInjector
-from kvtransfer.messages import KVEndpoint, TransferAck
+from kvtransfer.messages import KVEndpoint, SenderStats, TransferAck
 from kvtransfer.transport.base import Channel, ChannelClosed, Transport, get_transport
-from kvtransfer.wire import (
-    Frame,
-    FrameKind,
-    LayerMeta,
-    Result,
-    Trailer,
-    TransferHeader,
-    digest,
-    encode_reason,
-    sign_begin,
-)
+from kvtransfer.wire import Frame, FrameKind, LayerMeta, Result, Trailer, TransferHeader, digest, encode_reason, sign_begin
 
 log = logging.getLogger(__name__)
-
-_THREAD_CHECKSUM_BYTES = 256 << 10
-
-
-@dataclass
-class SenderStats:
-    bytes_sent: int = 0
-    acked: int = 0
-    failed: int = 0
 
 
 @dataclass(frozen=True)
@@ -84,58 +57,13 @@ class _Layer:
 @dataclass(frozen=True)
 class _Finish:
     first_token: int
+    logprob: float | None
+    top_logprobs: tuple[tuple[int, float], ...]
 
 
 @dataclass(frozen=True)
 class _Abort:
     reason: str
-
-
-class _Connection:
-    """An open channel to one receiver plus the RESULT futures of its streams."""
-
-    def __init__(self, channel: Channel):
-        self.channel = channel
-        self.results: dict[int, asyncio.Future[Result]] = {}
-        self._streams = itertools.count(1)
-        self.reader = asyncio.get_running_loop().create_task(self._read_results())
-
-    def open_stream(self) -> tuple[int, asyncio.Future[Result]]:
-        stream = next(self._streams) & 0xFFFFFFFF
-        result: asyncio.Future[Result] = asyncio.get_running_loop().create_future()
-        result.add_done_callback(lambda f: f.cancelled() or f.exception())  # may end unobserved
-        self.results[stream] = result
-        return stream, result
-
-    def close_stream(self, stream: int) -> None:
-        self.results.pop(stream, None)
-
-    async def _read_results(self) -> None:
-        error: BaseException = ChannelClosed("connection closed")
-        try:
-            while True:
-                frame = await self.channel.recv()
-                if frame.payload_nbytes:
-                    await self.channel.discard_payload(frame)
-                if frame.kind != FrameKind.RESULT:
-                    raise ProtocolError(f"unexpected {frame.kind.name} frame from a receiver")
-                result = self.results.get(frame.stream)
-                if result is not None and not result.done():
-                    result.set_result(Result.decode(frame.body))
-        except (ChannelClosed, ProtocolError) as exc:
-            error = exc
-        finally:
-            for result in self.results.values():
-                if not result.done():
-                    result.set_exception(ChannelClosed(f"connection to {self.channel.peer} lost: {error}"))
-            await self.channel.close()
-
-    async def close(self) -> None:
-        await self.channel.close()
-        try:
-            await asyncio.wait_for(asyncio.shield(self.reader), 5.0)
-        except (TimeoutError, Exception):  # noqa: BLE001 - teardown
-            self.reader.cancel()
 
 
 class OutgoingTransfer:
@@ -178,9 +106,12 @@ class OutgoingTransfer:
             k, v = cache.read_tokens(layer, block_ids, self.header.num_tokens)
             self.send_layer(layer, k, v)
 
-    def finish(self, first_token: int) -> concurrent.futures.Future[TransferAck]:
-        """Send the trailer; the returned future resolves when the receiver acknowledged."""
-        self._put(_Finish(first_token))
+    def finish(
+        self, first_token: int, logprob: float | None = None, top_logprobs: Mapping[int, float] | None = None
+    ) -> concurrent.futures.Future[TransferAck]:
+        """Send the trailer (the first token, with its logprobs when the request asked for them);
+        the returned future resolves when the receiver acknowledged."""
+        self._put(_Finish(first_token, logprob, tuple((top_logprobs or {}).items())))
         return self._ack
 
     def abort(self, reason: str) -> None:
@@ -212,7 +143,7 @@ class OutgoingTransfer:
 
     async def _run(self) -> TransferAck:
         tid = self.transfer_id
-        conn: _Connection | None = None
+        conn: Connection | None = None
         stream = 0
         result: asyncio.Future[Result] | None = None
         task = asyncio.current_task()
@@ -239,7 +170,7 @@ class OutgoingTransfer:
                     break
                 else:
                     layer_sums = [crcs[i] for i in sorted(crcs)]
-                    trailer = Trailer(item.first_token, len(crcs), digest(layer_sums, self.header.checksum))
+                    trailer = Trailer(item.first_token, len(crcs), digest(layer_sums, self.header.checksum), item.logprob, item.top_logprobs)
                     await conn.channel.send(Frame(FrameKind.TRAILER, stream, trailer.encode()))
                     break
             tail = time.monotonic()
@@ -274,7 +205,7 @@ class OutgoingTransfer:
 
     @staticmethod
     async def _tell_receiver(
-        conn: _Connection | None, stream: int, result: asyncio.Future[Result] | None, reason: str
+        conn: Connection | None, stream: int, result: asyncio.Future[Result] | None, reason: str
     ) -> None:
         """Send ABORT for a stream the receiver has not already ended itself."""
         if conn is None or result is None or result.done() or conn.channel.closed:
@@ -313,11 +244,7 @@ class OutgoingTransfer:
             raise ShapeMismatch(
                 f"layer {item.layer}: K/V of {len(parts[0])}/{len(parts[1])} B, header says {size} B", self.transfer_id
             )
-        algorithm = self.header.checksum
-        if 2 * size >= _THREAD_CHECKSUM_BYTES:
-            crc = await asyncio.to_thread(checksum.compute, algorithm, parts)
-        else:
-            crc = checksum.compute(algorithm, parts)
+        crc = await checksum.compute_off_loop(self.header.checksum, parts, 2 * size)
         wire = await self._apply_faults(channel, item.layer, parts) if self.sender.faults else parts
         if wire is None:
             return crc
@@ -360,18 +287,18 @@ class KVSender:
         transport_options: dict[str, dict[str, Any]] | None = None,
         checksums: tuple[str, ...] | None = None,
         secret: str | bytes = b"",
-        wire: WirePolicy | None = None,
+        wire: codec.WirePolicy | None = None,
     ):
         self.connect_timeout = connect_timeout
         self.ack_timeout = ack_timeout
-        self.faults = faults if faults is not None else FaultInjector.from_env()
+        self.faults = faults
         self.checksums = checksums  # preference order; None: fastest available (crc32c, crc32)
         self.secret = secret.encode() if isinstance(secret, str) else bytes(secret)  # signs BEGIN (wire.sign_begin)
         self.stats = SenderStats()
-        self.wire = wire or WirePolicy()  # wire dtype per transfer (kvtransfer/codec.py)
+        self.wire = wire or codec.WirePolicy()  # wire dtype per transfer (kvtransfer/codec.py)
         self._transport_options = transport_options or {}
         self._transports: dict[str, Transport] = {}
-        self._connections: dict[tuple[str, str, int], _Connection] = {}
+        self._connections: dict[tuple[str, str, int], Connection] = {}
         self._connecting: dict[tuple[str, str, int], asyncio.Lock] = {}
         self._tasks: set[asyncio.Task[TransferAck]] = set()
         self._thread: threading.Thread | None = None
@@ -398,7 +325,7 @@ class KVSender:
             self._transports[name] = get_transport(name, **self._transport_options.get(name, {}))
         return self._transports[name]
 
-    async def _connection(self, endpoint: KVEndpoint) -> _Connection:
+    async def _connection(self, endpoint: KVEndpoint) -> Connection:
         key = (endpoint.transport, endpoint.host, endpoint.port)
         lock = self._connecting.setdefault(key, asyncio.Lock())
         async with lock:
@@ -408,13 +335,13 @@ class KVSender:
             if self._closed:
                 raise ChannelClosed("sender is closed")
             channel = await self._transport(endpoint.transport).connect(endpoint.host, endpoint.port, self.connect_timeout)
-            conn = _Connection(channel)
+            conn = Connection(channel)
             conn.reader.add_done_callback(lambda _: self._forget(key, conn))
             self._connections[key] = conn
             log.info("KV connection to %s:%d (%s) open", endpoint.host, endpoint.port, endpoint.transport)
             return conn
 
-    def _forget(self, key: tuple[str, str, int], conn: _Connection) -> None:
+    def _forget(self, key: tuple[str, str, int], conn: Connection) -> None:
         if self._connections.get(key) is conn:
             del self._connections[key]
 

@@ -19,7 +19,8 @@ One transfer is one *stream* on a connection (the sender numbers its streams):
              wire dtype (native, int8, fp8: kvtransfer/codec.py);
              with a shared secret, then a nonce and an HMAC-SHA256 over header and nonce
     LAYER    layer index, K bytes, V bytes, checksum of K||V; parts = [K, V]
-    TRAILER  first sampled token, number of layers, digest = checksum over the layer checksums
+    TRAILER  first sampled token, number of layers, digest = checksum over the layer checksums;
+             then, when the request asked for logprobs, the token's logprob and its top-k
     ABORT    sender gives up (prefill failed or cancelled); reason text
     RESULT   receiver -> sender: ErrorCode (OK or why it failed) and a message
 
@@ -328,16 +329,33 @@ class Trailer:
     first_token: int
     num_layers: int
     digest: int
+    logprob: float | None = None
+    """The first token's logprob; None when the request did not ask for logprobs."""
+    top_logprobs: tuple[tuple[int, float], ...] = ()
 
     _S = struct.Struct("!qII")
+    _LOGPROB = struct.Struct("!dH")  # logprob, number of top entries
+    _TOP = struct.Struct("!Id")  # token id, logprob
 
     def encode(self) -> bytes:
-        return self._S.pack(self.first_token, self.num_layers, self.digest)
+        head = self._S.pack(self.first_token, self.num_layers, self.digest)
+        if self.logprob is None:
+            return head
+        top = b"".join(self._TOP.pack(t, lp) for t, lp in self.top_logprobs)
+        return head + self._LOGPROB.pack(self.logprob, len(self.top_logprobs)) + top
 
     @classmethod
     def decode(cls, body: bytes) -> Trailer:
         try:
-            return cls(*cls._S.unpack(body))
+            head = cls._S.unpack_from(body)
+            if len(body) == cls._S.size:
+                return cls(*head)
+            logprob, n = cls._LOGPROB.unpack_from(body, cls._S.size)
+            start = cls._S.size + cls._LOGPROB.size
+            if len(body) != start + n * cls._TOP.size:
+                raise struct.error(f"{len(body)} B for {n} top logprobs")
+            top = tuple(cls._TOP.unpack_from(body, start + i * cls._TOP.size) for i in range(n))
+            return cls(*head, logprob, top)
         except struct.error as exc:
             raise ProtocolError(f"malformed TRAILER: {exc}") from None
 

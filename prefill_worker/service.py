@@ -4,13 +4,15 @@ Life of one `Prefill` call:
   1. validate; open (or reuse) a connection to the destination's KV receiver and begin a transfer
      (header: transfer id, model fingerprint, token count, layout);
   2. add the prompt to the engine as prefill-only; it is batched with other prompts (chunked
-     prefill, prefix cache). During the step that completes the prompt, the engine calls
-     `on_layer_written` after every layer: that layer's K/V for the prompt is handed to the sender,
-     so layer i travels while layer i+1 computes (layer-wise streaming; off: all layers after the step);
-  3. the step samples the first token; the trailer (first token + checksum) closes the transfer and
-     the decode worker's acknowledgement comes back;
+     prefill, prefix cache). During the step that completes the prompt, the engine hands every
+     finished layer's K/V of the prompt to its `KVLayerSink`, the `LayerStreamer` below, which
+     queues it on the transfer, so layer i travels while layer i+1 computes (layer-wise streaming;
+     without a streamer: all layers after the step);
+  3. the step samples the first token; the trailer (first token, its logprobs when asked, checksum)
+     closes the transfer and the decode worker's acknowledgement comes back;
   4. the request's blocks are released (they stay in the prefix cache) and the first token returned.
 Any failure aborts the transfer (the receiver frees its blocks) and fails the call.
+A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
 """
 
 from __future__ import annotations
@@ -21,12 +23,13 @@ import time
 import uuid
 
 import grpc
+import torch
 
 from decode_worker.service import worker_stats
 from engine.async_engine import AsyncEngine
+from engine.engine import RequestOutput
 from engine.errors import InvalidRequestError
-from engine.sequence import Sequence
-from kvtransfer import KVEndpoint, KVSender, KVTransferError, TransferHeader
+from kvtransfer import KVEndpoint, KVSender, KVTransferError, OutgoingTransfer, TransferHeader
 from kvtransfer.faults import FaultPoint, reached
 from proto.convert import chunk_from_output, sampling_from_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -34,24 +37,46 @@ from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
-# Test hook (off unless PDSERVE_TEST_FAULT_POINT / PDSERVE_TEST_PAUSE_AFTER_LAYER is set): stall or mark
-# this process before, during (after layer N) or after a request's KV transfer, so a test can kill it there.
-_HOOK = FaultPoint.from_env()
+
+class LayerStreamer:
+    """The engine's `KVLayerSink` on a prefill worker: the transfers in flight, by request id. Build it
+    first and give it to the `Engine` and to `PrefillService`; every layer the engine hands over for
+    one of them goes onto that transfer at once (engine thread; `send_layer` never blocks)."""
+
+    def __init__(self, fault_point: FaultPoint | None = None):
+        self._transfers: dict[str, OutgoingTransfer] = {}
+        self._fault_point = fault_point
+
+    def track(self, request_id: str, transfer: OutgoingTransfer) -> None:
+        self._transfers[request_id] = transfer
+
+    def forget(self, request_id: str) -> None:
+        self._transfers.pop(request_id, None)
+
+    def wants(self, request_id: str) -> bool:
+        return request_id in self._transfers
+
+    def layer_ready(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        transfer = self._transfers.get(request_id)
+        if transfer is not None:
+            transfer.send_layer(layer, k, v)
+            reached(self._fault_point, "prefill.after_layer", request_id, layer)
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
-    def __init__(self, engine: AsyncEngine, sender: KVSender, fingerprint: str, worker_id: str, layerwise: bool = True,
-                 ack_timeout_s: float = 30.0):
+    def __init__(self, engine: AsyncEngine, sender: KVSender, fingerprint: str, worker_id: str,
+                 streamer: LayerStreamer | None = None, ack_timeout_s: float = 30.0, fault_point: FaultPoint | None = None):
+        """`streamer`: the sink the engine was built with (layer-wise streaming); None: every layer
+        is sent after the prompt's step. `fault_point`: test hook, None in production."""
         self.engine = engine
         self.sender = sender
         self.fingerprint = fingerprint
         self.worker_id = worker_id
-        self.layerwise = layerwise
+        self.streamer = streamer
         self.ack_timeout_s = ack_timeout_s
+        self.fault_point = fault_point
         self.draining = False
         self.in_flight = 0
-        self._transfers: dict[str, object] = {}
-        engine.engine.on_layer_written = self._on_layer_written if layerwise else None
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         if self.draining:
@@ -70,18 +95,17 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         try:
             if dest is not None:
                 endpoint = KVEndpoint(dest.endpoint.host, dest.endpoint.port, dest.endpoint.transport)
-                header = TransferHeader.for_layout(dest.transfer_id, self.engine.engine.layout, len(request.token_ids), self.fingerprint)
-                reached(_HOOK, "prefill.before_transfer", request_id)
+                header = TransferHeader.for_layout(dest.transfer_id, self.engine.layout, len(request.token_ids), self.fingerprint)
+                reached(self.fault_point, "prefill.before_transfer", request_id)
                 transfer = self.sender.begin(endpoint, header, ack_timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
-                self._transfers[request_id] = transfer
+                if self.streamer is not None:
+                    self.streamer.track(request_id, transfer)
             first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
             computed = time.monotonic()
             if transfer is not None:
-                if not self.layerwise:
-                    await self._send_all_layers(request_id, transfer)
-                transfer.finish(first)
+                await self._finish_transfer(request_id, transfer, first_out)
                 ack = await transfer.wait(timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
-                reached(_HOOK, "prefill.after_transfer", request_id)
+                reached(self.fault_point, "prefill.after_transfer", request_id)
             done = time.monotonic()
             return pb.PrefillResponse(
                 request_id=request_id,
@@ -96,16 +120,11 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed ({exc.code.name}): {exc}")
         finally:
             self.in_flight -= 1
-            self._transfers.pop(request_id, None)
+            if self.streamer is not None:
+                self.streamer.forget(request_id)
             if transfer is not None and not transfer.ack.done():
                 transfer.abort("prefill failed or was cancelled")
-            await self.engine.call(lambda: self._forget(request_id))
-
-    def _forget(self, request_id: str) -> None:
-        """Engine thread: free the request's blocks. Abort first: a call cancelled while its
-        `add_request` waited for the engine thread leaves a request the engine would still run."""
-        self.engine.engine.abort(request_id)
-        self.engine.engine.release(request_id)
+            await self.engine.release(request_id)
 
     async def _run_prefill(self, request_id, prompt, params, context):
         try:
@@ -116,25 +135,13 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await context.abort(grpc.StatusCode.ABORTED, "prefill was aborted")
 
-    def _on_layer_written(self, seqs: list[Sequence], layer: int) -> None:
-        """Engine thread, right after `layer` ran: hand this layer's KV of finishing prompts to the sender."""
-        cache = self.engine.engine.kv_cache
-        for seq in seqs:
-            transfer = self._transfers.get(seq.request_id)
-            if transfer is not None:
-                k, v = cache.read_tokens(layer, seq.block_ids, seq.num_prompt_tokens)
+    async def _finish_transfer(self, request_id: str, transfer: OutgoingTransfer, first_out: RequestOutput) -> None:
+        """Send what the streamer did not (without one: every layer), then the trailer with the first token."""
+        if self.streamer is None:
+            for layer, (k, v) in enumerate(await self.engine.prompt_kv(request_id)):
                 transfer.send_layer(layer, k, v)
-                reached(_HOOK, "prefill.after_layer", seq.request_id, layer)
-
-    async def _send_all_layers(self, request_id: str, transfer) -> None:
-        engine = self.engine.engine
-
-        def read_all():
-            block_ids, num_tokens = engine.held_kv(request_id)
-            return [engine.kv_cache.read_tokens(layer, block_ids, num_tokens) for layer in range(engine.layout.num_layers)]
-
-        for layer, (k, v) in enumerate(await self.engine.call(read_all)):
-            transfer.send_layer(layer, k, v)
+        logprob = first_out.logprobs[0] if first_out.logprobs else None
+        transfer.finish(first_out.new_token_ids[0], logprob, first_out.top_logprobs[0] if first_out.top_logprobs else None)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.draining, kv_bytes_sent=self.sender.stats.bytes_sent)

@@ -6,7 +6,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from router import openai_api
+from router.openai.routes import mount
 from router.service import RouterService
 
 
@@ -31,5 +31,5 @@ def build_app(service: RouterService) -> FastAPI:
             return JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
 
-    openai_api.mount(app, service)
+    mount(app, service)
     return app

@@ -21,10 +21,13 @@ from deploy.config import PdserveConfig, load_config
 from deploy.security import Security
 from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.grpc_api import add_router_to_server
 from router.http_app import build_app
 from router.metrics import RouterMetrics
 from router.pool import WorkerPool
-from router.service import RegistryService, RouterService, RouterSettings, add_router_to_server
+from router.registry_service import RegistryService
+from router.service import RouterService
+from router.settings import RouterSettings
 
 log = logging.getLogger(__name__)
 REGISTRY = "pdserve.v1.Registry"

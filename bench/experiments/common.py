@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 import os
@@ -24,6 +25,49 @@ def use_quick_results() -> None:
     RESULTS = REPO / "bench" / "results" / "quick"
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / ".gitignore").write_text("*\n")
+
+
+def parser(module_doc: str, name: str) -> argparse.ArgumentParser:
+    """The CLI of `python -m bench.experiments.<name>`, described by its module docstring's first line."""
+    return argparse.ArgumentParser(prog=f"python -m bench.experiments.{name}", description=module_doc.splitlines()[0])
+
+
+def begin(quick: bool) -> tuple[dict[str, Any], float]:
+    """Start of a run: --quick results kept apart, logging on; returns (the machine as found, start time)."""
+    if quick:
+        use_quick_results()
+    setup_logging()
+    started = time.time()
+    return machine(), started
+
+
+def pyplot():
+    """matplotlib.pyplot, drawing to files only."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def style_axes(axes, xlabel: str, ylabel: str | None = None) -> None:
+    """The experiments' plot style: labels, a light grid, a small legend."""
+    for ax in axes:
+        ax.set_xlabel(xlabel)
+        if ylabel is not None:
+            ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+
+
+def save_figure(fig, filename: str) -> str:
+    """Lays out `fig`, writes it to RESULTS/filename, closes it and returns the path."""
+    fig.tight_layout()
+    path = RESULTS / filename
+    fig.savefig(path, dpi=110)
+    pyplot().close(fig)
+    return str(path)
 
 
 def setup_logging() -> None:

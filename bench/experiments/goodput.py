@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from typing import Any
 
 from bench import serve
@@ -62,11 +61,7 @@ def run_setup(name: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def plot(results: list[dict[str, Any]], slos: dict[str, float]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, (a1, a2, a3) = plt.subplots(1, 3, figsize=(14, 4))
     for res in results:
         rates = [r["rate"] for r in res["by_rate"]]
@@ -83,19 +78,12 @@ def plot(results: list[dict[str, Any]], slos: dict[str, float]) -> str:
         if key in slos:
             ax.axhline(slos[key], color="tab:red", ls="--", lw=1, label="SLO")
         ax.set_yscale("log")
-    for ax in (a1, a2, a3):
-        ax.set_xlabel("request rate (req/s)")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = common.RESULTS / "goodput.png"
-    fig.savefig(path, dpi=110)
-    plt.close("all")
-    return str(path)
+    common.style_axes((a1, a2, a3), "request rate (req/s)")
+    return common.save_figure(fig, "goodput.png")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.goodput", description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, "goodput")
     p.add_argument("--setups", nargs="+", choices=list(SETUPS), default=list(SETUPS))
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 2.0])
     p.add_argument("--num-prompts", type=int, default=12, help="requests per rate")
@@ -107,11 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="2 rates x 6 requests, small lengths")
     args = p.parse_args(argv)
     if args.quick:
-        common.use_quick_results()
         args.rates, args.num_prompts, args.chat_scale = [0.5, 2.0], 6, 0.25
-    common.setup_logging()
-    started = time.time()
-    info = common.machine()
+    info, started = common.begin(args.quick)
     results = [run_setup(name, args) for name in args.setups]
     slos = serve.parse_slos(args.slo)
     report = {"experiment": "goodput", "command": common.command_line(), "machine": info, "params": vars(args),

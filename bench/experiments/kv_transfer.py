@@ -41,67 +41,82 @@ BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, fp32, K+V, every layer
 VARIANTS = (("tcp", True), ("tcp", False), ("ucx", True), ("ucx", False))
 
 
+class Probe:
+    """Plays the router against one prefill and one decode worker, reading both sides' timings."""
+
+    def __init__(self, prefill_channel, decode_channel, seed: int):
+        from proto.pdserve.v1 import pdserve_pb2 as pb
+        from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+        self.pb = pb
+        self.prefill, self.decode = pb_grpc.PrefillWorkerStub(prefill_channel), pb_grpc.DecodeWorkerStub(decode_channel)
+        self.rng = np.random.default_rng(seed)
+        self.sampling = pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+
+    def prompt(self, n: int) -> list[int]:
+        return self.rng.integers(1000, 30000, size=n).tolist()
+
+    async def prefill_only(self, n: int) -> float:
+        t = time.perf_counter()
+        request = self.pb.PrefillRequest(request_id=uuid.uuid4().hex, token_ids=self.prompt(n), sampling=self.sampling)
+        await self.prefill.Prefill(request, timeout=300)
+        return time.perf_counter() - t
+
+    async def transfer(self, n: int) -> dict[str, float]:
+        import grpc
+
+        pb = self.pb
+        ids, rid = self.prompt(n), uuid.uuid4().hex
+        call = self.decode.Decode(pb.DecodeRequest(request_id=rid, token_ids=ids, sampling=self.sampling), timeout=300)
+        first = await call.read()
+        assert first.WhichOneof("event") == "admission", first
+        t0 = time.perf_counter()
+        prefill = asyncio.ensure_future(self.prefill.Prefill(pb.PrefillRequest(
+            request_id=rid, token_ids=ids, sampling=self.sampling, kv_destination=first.admission.kv_destination), timeout=300))
+        first_token = d_timings = None
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            event = msg.WhichOneof("event")
+            if event == "chunk" and first_token is None:
+                first_token = time.perf_counter() - t0
+            elif event == "finished":
+                if msg.finished.finish_reason == pb.FINISH_REASON_ERROR:
+                    raise RuntimeError(f"decode failed: {msg.finished.error.message}")
+                d_timings = msg.finished.timings
+        response = await prefill
+        return {
+            "compute_s": response.timings.prefill_compute_s,
+            "exposed_s": response.timings.kv_transfer_s,
+            "to_decode_s": first_token,
+            "decode_kv_wait_s": d_timings.kv_transfer_s if d_timings is not None else None,
+            "kv_bytes": response.kv_bytes_sent,
+        }
+
+
+def summarize_length(base: list[float], runs: list[dict[str, float]]) -> dict[str, Any]:
+    """Medians over the repeats of one prompt length."""
+    row = {key: statistics.median(r[key] for r in runs) for key in ("compute_s", "exposed_s", "to_decode_s", "decode_kv_wait_s")}
+    row["prefill_only_s"] = statistics.median(base)
+    row["overhead_s"] = row["to_decode_s"] - row["prefill_only_s"]
+    row["after_forward_s"] = statistics.median(r["to_decode_s"] - r["compute_s"] for r in runs)
+    row["kv_bytes"] = runs[0]["kv_bytes"]
+    row["effective_gbps"] = row["kv_bytes"] / row["exposed_s"] / 1e9 if row["exposed_s"] > 0 else None
+    row["runs"] = runs
+    row["prefill_only_runs"] = base
+    return row
+
+
 async def measure(prefill_addr: str, decode_addr: str, lengths: list[int], repeats: int, seed: int) -> dict[str, Any]:
     import grpc
 
-    from proto.pdserve.v1 import pdserve_pb2 as pb
-    from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-
-    rng = np.random.default_rng(seed)
-    sampling = pb.SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     async with grpc.aio.insecure_channel(prefill_addr) as pch, grpc.aio.insecure_channel(decode_addr) as dch:
-        p, d = pb_grpc.PrefillWorkerStub(pch), pb_grpc.DecodeWorkerStub(dch)
-
-        def prompt(n: int) -> list[int]:
-            return rng.integers(1000, 30000, size=n).tolist()
-
-        async def prefill_only(n: int) -> float:
-            t = time.perf_counter()
-            await p.Prefill(pb.PrefillRequest(request_id=uuid.uuid4().hex, token_ids=prompt(n), sampling=sampling), timeout=300)
-            return time.perf_counter() - t
-
-        async def transfer(n: int) -> dict[str, float]:
-            ids, rid = prompt(n), uuid.uuid4().hex
-            call = d.Decode(pb.DecodeRequest(request_id=rid, token_ids=ids, sampling=sampling), timeout=300)
-            first = await call.read()
-            assert first.WhichOneof("event") == "admission", first
-            t0 = time.perf_counter()
-            prefill = asyncio.ensure_future(p.Prefill(pb.PrefillRequest(
-                request_id=rid, token_ids=ids, sampling=sampling, kv_destination=first.admission.kv_destination), timeout=300))
-            first_token = None
-            d_timings = None
-            while (msg := await call.read()) is not grpc.aio.EOF:
-                event = msg.WhichOneof("event")
-                if event == "chunk" and first_token is None:
-                    first_token = time.perf_counter() - t0
-                elif event == "finished":
-                    if msg.finished.finish_reason == pb.FINISH_REASON_ERROR:
-                        raise RuntimeError(f"decode failed: {msg.finished.error.message}")
-                    d_timings = msg.finished.timings
-            response = await prefill
-            return {
-                "compute_s": response.timings.prefill_compute_s,
-                "exposed_s": response.timings.kv_transfer_s,
-                "to_decode_s": first_token,
-                "decode_kv_wait_s": d_timings.kv_transfer_s if d_timings is not None else None,
-                "kv_bytes": response.kv_bytes_sent,
-            }
-
-        await prefill_only(64)  # warm-up
-        await transfer(64)
+        probe = Probe(pch, dch, seed)
+        await probe.prefill_only(64)  # warm-up
+        await probe.transfer(64)
         out: dict[str, Any] = {}
         for n in lengths:
-            base = [await prefill_only(n) for _ in range(repeats)]
-            runs = [await transfer(n) for _ in range(repeats)]
-            row = {key: statistics.median(r[key] for r in runs) for key in ("compute_s", "exposed_s", "to_decode_s", "decode_kv_wait_s")}
-            row["prefill_only_s"] = statistics.median(base)
-            row["overhead_s"] = row["to_decode_s"] - row["prefill_only_s"]
-            row["after_forward_s"] = statistics.median(r["to_decode_s"] - r["compute_s"] for r in runs)
-            row["kv_bytes"] = runs[0]["kv_bytes"]
-            row["effective_gbps"] = row["kv_bytes"] / row["exposed_s"] / 1e9 if row["exposed_s"] > 0 else None
-            row["runs"] = runs
-            row["prefill_only_runs"] = base
-            out[str(n)] = row
+            base = [await probe.prefill_only(n) for _ in range(repeats)]
+            runs = [await probe.transfer(n) for _ in range(repeats)]
+            row = out[str(n)] = summarize_length(base, runs)
             common.log.info("%5d tokens: prefill %.3f s, with transfer: compute %.3f exposed %.3f to-decode %.3f (+%.3f s)",
                             n, row["prefill_only_s"], row["compute_s"], row["exposed_s"], row["to_decode_s"], row["overhead_s"])
         return out
@@ -137,11 +152,7 @@ def _after_forward(row: dict[str, Any]) -> float:
 
 
 def plot(report: dict[str, Any]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     for res in report["results"]:
         lengths = [int(n) for n in res["by_length"]]
@@ -150,20 +161,12 @@ def plot(report: dict[str, Any]) -> str:
         a2.plot(lengths, [_after_forward(r) * 1000 for r in rows], "o-", label=res["variant"])
     a1.set_title("exposed KV transfer (P: forward done -> D's ack)", fontsize=9)
     a2.set_title("P's forward done -> D's first token (same request)", fontsize=9)
-    for ax in (a1, a2):
-        ax.set_xlabel("prompt tokens")
-        ax.set_ylabel("ms")
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=8)
-    fig.tight_layout()
-    path = common.RESULTS / "kv_transfer.png"
-    fig.savefig(path, dpi=110)
-    plt.close("all")
-    return str(path)
+    common.style_axes((a1, a2), "prompt tokens", "ms")
+    return common.save_figure(fig, "kv_transfer.png")
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.kv_transfer", description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, "kv_transfer")
     p.add_argument("--lengths", type=int, nargs="+", default=[128, 512, 1024])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--transports", nargs="+", default=["tcp", "ucx"], choices=["tcp", "ucx"])
@@ -172,11 +175,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="lengths 64 256, 1 repeat, no raw bandwidth")
     args = p.parse_args(argv)
     if args.quick:
-        common.use_quick_results()
         args.lengths, args.repeats, args.no_raw = [64, 256], 1, True
-    common.setup_logging()
-    started = time.time()
-    info = common.machine()
+    info, started = common.begin(args.quick)
     results = [run_variant(t, lw, args) for t, lw in VARIANTS if t in args.transports]
     report = {
         "experiment": "kv_transfer",

@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from typing import Any
 
 from bench import serve
@@ -96,11 +95,7 @@ def summarize_setup(name: str, path) -> dict[str, Any]:
 
 
 def plot(results: list[dict[str, Any]]) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, axes = plt.subplots(len(results), 1, figsize=(10, 2.8 * len(results)), squeeze=False)
     for ax, res in zip(axes[:, 0], results):
         report = json.loads((common.REPO / res["raw"]).read_text())
@@ -108,9 +103,7 @@ def plot(results: list[dict[str, Any]]) -> list[str]:
         serve.plot_itl_timeline(ax, run["requests"], run["burst_itl"]["windows"])
         ax.set_title(f"{res['setup']}: steady decode ITL (burst of {len([r for r in run['requests'] if r['group'] == 'burst'])} "
                      f"long prompts shaded); p99 inside/outside = {res['p99_ratio']:.2f}x" if res["p99_ratio"] else res["setup"], fontsize=9)
-    fig.tight_layout()
-    timeline = common.RESULTS / "prefill_interference_timeline.png"
-    fig.savefig(timeline, dpi=110)
+    timeline = common.save_figure(fig, "prefill_interference_timeline.png")
 
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["setup"] for r in results]
@@ -124,15 +117,12 @@ def plot(results: list[dict[str, Any]]) -> list[str]:
     ax.set_yscale("log")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    bars = common.RESULTS / "prefill_interference_itl.png"
-    fig.savefig(bars, dpi=110)
-    plt.close("all")
-    return [str(timeline), str(bars)]
+    bars = common.save_figure(fig, "prefill_interference_itl.png")
+    return [timeline, bars]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.prefill_interference", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = common.parser(__doc__, "prefill_interference")
     p.add_argument("--setups", nargs="+", choices=SETUPS, default=list(SETUPS))
     p.add_argument("--steady", type=int, default=8, help="concurrent steady decode requests")
     p.add_argument("--steady-prompt-len", type=int, default=32)
@@ -151,11 +141,40 @@ def main(argv: list[str] | None = None) -> int:
                    help="no new run: recompute the summary and plots from the saved prefill_interference_<setup>.json")
     args = p.parse_args(argv)
     if args.quick:
-        common.use_quick_results()
         args.steady, args.burst_size, args.burst_prompt_len, args.burst_at, args.tail_s, args.kv_cache_mb = 4, 2, 256, 2.0, 3.0, 256
-    common.setup_logging()
-    started = time.time()
-    info = common.machine()
+    return args
+
+
+def target(results: list[dict[str, Any]]) -> dict[str, Any]:
+    disagg = next((r for r in results if r["setup"] == "disaggregated"), None)
+    ratio = disagg["p99_ratio"] if disagg else None
+    strict = disagg["p99_ratio_vs_before"] if disagg else None
+    return {
+        "rule": f"disaggregated ITL p99 inside the burst <= {TARGET_RATIO}x its p99 outside",
+        "ratio": ratio,
+        "met": ratio is not None and ratio <= TARGET_RATIO,
+        "ratio_vs_before": strict,
+        "met_vs_before": strict is not None and strict <= TARGET_RATIO,
+        "note": "outside = before and after the burst window; vs_before = only the steady state before the burst",
+    }
+
+
+def print_summary(report: dict[str, Any]) -> None:
+    def f(x, digits=0):
+        return "n/a" if x is None else f"{x:.{digits}f}"
+
+    for r in report["results"]:
+        o, i = r["itl_outside_ms"], r["itl_inside_ms"]
+        print(f"{r['setup']:18s} ITL p50/p99 outside {f(o['median'])}/{f(o['p99'])} ms, inside {f(i['median'])}/{f(i['p99'])} ms, "
+              f"p99 ratio {f(r['p99_ratio'], 2)} (vs before {f(r['p99_ratio_vs_before'], 2)}), failed {r['failed']}", file=sys.stderr)
+    t = report["target"]
+    print(f"target ({t['rule']}): {'met' if t['met'] else 'NOT met'} (ratio {f(t['ratio'], 2)}; "
+          f"against the steady state before the burst {f(t['ratio_vs_before'], 2)})", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info, started = common.begin(args.quick)
     if args.resummarize:
         previous = json.loads((common.RESULTS / "prefill_interference.json").read_text())
         info, params, command = previous["machine"], previous["params"], previous["command"]
@@ -163,38 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     else:
         params, command = vars(args), common.command_line()
         results = [run_setup(name, args) for name in args.setups]
-    disagg = next((r for r in results if r["setup"] == "disaggregated"), None)
-    ratio = disagg["p99_ratio"] if disagg else None
-    strict = disagg["p99_ratio_vs_before"] if disagg else None
-    report = {
-        "experiment": "prefill_interference",
-        "command": command,
-        "machine": info,
-        "params": params,
-        "target": {
-            "rule": f"disaggregated ITL p99 inside the burst <= {TARGET_RATIO}x its p99 outside",
-            "ratio": ratio,
-            "met": ratio is not None and ratio <= TARGET_RATIO,
-            "ratio_vs_before": strict,
-            "met_vs_before": strict is not None and strict <= TARGET_RATIO,
-            "note": "outside = before and after the burst window; vs_before = only the steady state before the burst",
-        },
-        "results": results,
-    }
+    report = {"experiment": "prefill_interference", "command": command, "machine": info, "params": params,
+              "target": target(results), "results": results}
     if not args.resummarize:
         common.finish(info, started)
     report["plots"] = plot(results)
     common.save("prefill_interference", report)
-    def f(x, digits=0):
-        return "n/a" if x is None else f"{x:.{digits}f}"
-
-    for r in results:
-        o, i = r["itl_outside_ms"], r["itl_inside_ms"]
-        print(f"{r['setup']:18s} ITL p50/p99 outside {f(o['median'])}/{f(o['p99'])} ms, inside {f(i['median'])}/{f(i['p99'])} ms, "
-              f"p99 ratio {f(r['p99_ratio'], 2)} (vs before {f(r['p99_ratio_vs_before'], 2)}), failed {r['failed']}", file=sys.stderr)
-    t = report["target"]
-    print(f"target ({t['rule']}): {'met' if t['met'] else 'NOT met'} (ratio {f(t['ratio'], 2)}; "
-          f"against the steady state before the burst {f(t['ratio_vs_before'], 2)})", file=sys.stderr)
+    print_summary(report)
     return 0
 
 

@@ -20,7 +20,6 @@ import argparse
 import json
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -67,11 +66,7 @@ def served(workload, settings, threads: int, args: argparse.Namespace) -> dict[s
 
 
 def plot(rows: list[dict[str, Any]]) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = common.pyplot()
     fig, ax = plt.subplots(figsize=(7, 4))
     names = [r["system"] for r in rows]
     values = [r["tokens_per_s"] for r in rows]
@@ -82,15 +77,11 @@ def plot(rows: list[dict[str, Any]]) -> str:
     ax.set_ylabel("useful output tokens / s")
     ax.set_title("same requests: static batches vs continuous batching", fontsize=9)
     ax.grid(alpha=0.3, axis="y")
-    fig.tight_layout()
-    path = common.RESULTS / "static_vs_continuous.png"
-    fig.savefig(path, dpi=110)
-    plt.close("all")
-    return str(path)
+    return common.save_figure(fig, "static_vs_continuous.png")
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.static_vs_continuous", description=__doc__.splitlines()[0])
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = common.parser(__doc__, "static_vs_continuous")
     p.add_argument("--num-requests", type=int, default=None, help="default 16 (6 with --quick)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[64, 256], metavar=("MIN", "MAX"))
     p.add_argument("--output-len", type=int, nargs=2, default=[16, 128], metavar=("MIN", "MAX"))
@@ -100,33 +91,47 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-detokenize", action="store_true", help="served: token ids only (no router detokenization)")
     p.add_argument("--no-served", action="store_true", help="offline comparison only")
     p.add_argument("--quick", action="store_true", help="6 tiny requests")
-    args = p.parse_args(argv)
-    if args.quick:
-        common.use_quick_results()
-    common.setup_logging()
-    started = time.time()
-    info = common.machine()
+    return p.parse_args(argv)
+
+
+def served_row(workload, settings, threads: int, args: argparse.Namespace) -> dict[str, Any]:
+    """The same requests through a served pdserve; its full report is written next to the summary."""
+    served_report = served(workload, settings, threads, args)
+    path = common.RESULTS / "static_vs_continuous_served.json"
+    serve.write_report(served_report, path, plots=False)
+    m = served_report["runs"][0]["metrics"]
+    return {"system": "pdserve_served", "what": "router + 1 colocated decode worker over gRPC, all requests at once",
+            "useful_tokens": m["total_output_tokens"], "seconds": m["duration_s"], "tokens_per_s": m["output_throughput"],
+            "ttft_ms_p50": m["ttft_ms"]["median"], "tpot_ms_p50": m["tpot_ms"]["median"], "failed": m["failed"],
+            "raw": str(path.relative_to(common.REPO))}
+
+
+def targets(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each row against hf_static and the in-process engine; the design's two targets."""
+    static, engine_tps = rows[0]["tokens_per_s"], rows[2]["tokens_per_s"]
+    for r in rows:
+        r["vs_hf_static"] = r["tokens_per_s"] / static if static else None
+        r["vs_engine"] = r["tokens_per_s"] / engine_tps if engine_tps else None
+    found = {
+        "engine_over_hf_static": {"target": 6.0, "measured": rows[2]["vs_hf_static"]},
+        "served_over_engine": {"target": 0.9, "measured": rows[3]["vs_engine"] if len(rows) > 3 else None},
+    }
+    for t in found.values():
+        t["met"] = t["measured"] is not None and t["measured"] >= t["target"]
+    return found
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    info, started = common.begin(args.quick)
     engine_result, workload, settings, threads = offline(args)
     rows = [
         {"system": "hf_static", "what": f"transformers generate, static batches of {settings.hf_batch_size}", **_rate(engine_result["hf_static"])},
         {"system": "hf_continuous", "what": "transformers continuous batching (init_continuous_batching)", **_rate(engine_result["hf_continuous"])},
         {"system": "pdserve_engine", "what": "pdserve Engine in-process (continuous batching, paged KV)", **_rate(engine_result["engine"])},
     ]
-    served_report = None
     if not args.no_served:
-        served_report = served(workload, settings, threads, args)
-        path = common.RESULTS / "static_vs_continuous_served.json"
-        serve.write_report(served_report, path, plots=False)
-        m = served_report["runs"][0]["metrics"]
-        rows.append({"system": "pdserve_served", "what": "router + 1 colocated decode worker over gRPC, all requests at once",
-                     "useful_tokens": m["total_output_tokens"], "seconds": m["duration_s"], "tokens_per_s": m["output_throughput"],
-                     "ttft_ms_p50": m["ttft_ms"]["median"], "tpot_ms_p50": m["tpot_ms"]["median"], "failed": m["failed"],
-                     "raw": str(path.relative_to(common.REPO))})
-    static = rows[0]["tokens_per_s"]
-    engine_tps = rows[2]["tokens_per_s"]
-    for r in rows:
-        r["vs_hf_static"] = r["tokens_per_s"] / static if static else None
-        r["vs_engine"] = r["tokens_per_s"] / engine_tps if engine_tps else None
+        rows.append(served_row(workload, settings, threads, args))
     report = {
         "experiment": "static_vs_continuous",
         "command": common.command_line(),
@@ -137,14 +142,9 @@ def main(argv: list[str] | None = None) -> int:
                      "output_tokens": int(sum(workload.output_lens)), "prompt_len": list(settings.prompt_len),
                      "output_len": list(settings.output_len), "seed": settings.seed},
         "rows": rows,
-        "targets": {
-            "engine_over_hf_static": {"target": 6.0, "measured": rows[2]["vs_hf_static"]},
-            "served_over_engine": {"target": 0.9, "measured": rows[3]["vs_engine"] if len(rows) > 3 else None},
-        },
+        "targets": targets(rows),
         "engine_bench": engine_result,
     }
-    for t in report["targets"].values():
-        t["met"] = t["measured"] is not None and t["measured"] >= t["target"]
     common.finish(info, started)
     report["plot"] = plot(rows)
     common.save("static_vs_continuous", report)

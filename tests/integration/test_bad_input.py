@@ -27,8 +27,8 @@ import requests
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from router.openai_api import MAX_BODY_BYTES
-from router.service import MAX_STOP_STRING_CHARS
+from router.openai.body import MAX_BODY_BYTES
+from router.validation import MAX_STOP_STRING_CHARS
 from tests.cluster import LocalCluster, write_config
 
 MODEL = "smollm2-135m"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from kvtransfer.loopback import Peer, PeerSpec
+from kvtransfer.testing.loopback import Peer, PeerSpec
 
 pytestmark = pytest.mark.timeout(180)
 

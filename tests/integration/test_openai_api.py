@@ -86,7 +86,7 @@ def test_chat_logprobs(client, demo_model, hf_greedy):
         assert len(entry.top_logprobs) == 2 and entry.logprob <= 0
         assert entry.logprob == pytest.approx(max(t.logprob for t in entry.top_logprobs), abs=1e-4)
         assert bytes(entry.bytes).decode() == entry.token
-    # the first token was sampled on the prefill worker: the router restores its logprob
+    # the first token was sampled on the prefill worker: its logprob came in the KV trailer
     assert len(entries) == len(ids)
 
 

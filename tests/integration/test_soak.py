@@ -22,7 +22,7 @@ import random
 import pytest
 import requests
 
-from router.openai_api import RETRY_AFTER_S
+from router.openai.routes import RETRY_AFTER_S
 from tests.cluster import REPO
 from tests.integration.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 from tests.integration.test_overload import process_ids, write_report

@@ -9,6 +9,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.grpc_api import RouterApi
 from router.http_app import build_app
 from router.service import RouterService
 from tests.unit.test_openai_schema import GOOD, SETTINGS, FakeService
@@ -56,7 +57,7 @@ class _Context:
 
 
 async def test_grpc_generate_refuses_without_key():
-    service = RouterService(KEYED, tokenizer=None, pool=None, metrics=None)
+    service = RouterApi(RouterService(KEYED, tokenizer=None, pool=None, metrics=None))
     context = _Context([("authorization", "Bearer nope")])
     with pytest.raises(grpc.aio.AbortError):
         async for _ in service.Generate(pb.GenerateRequest(text="hi"), context):

@@ -91,6 +91,17 @@ async def test_roundtrip_equals_source(rig) -> None:
     assert xfer.header.checksum == checksum.supported()[0]  # negotiated: fastest both support
 
 
+async def test_first_token_logprobs_travel_in_the_trailer(rig) -> None:
+    receiver, dst, sender, endpoint = rig
+    fut = receiver.expect("lp", DST_BLOCKS, N, FP, timeout=10)
+    xfer = sender.begin(endpoint, header("lp"))
+    xfer.send_from_cache(filled_cache(3), SRC_BLOCKS)
+    xfer.finish(first_token=11, logprob=-0.5, top_logprobs={11: -0.5, 12: -2.0})
+    received = await fut
+    await xfer.wait(10)
+    assert (received.first_token, received.first_logprob, received.first_top_logprobs) == (11, -0.5, {11: -0.5, 12: -2.0})
+
+
 async def test_staging_path_layers_out_of_order_zlib_crc32(rig) -> None:
     receiver, dst, sender, endpoint = rig
     receiver.zero_copy = False

@@ -144,6 +144,15 @@ def test_block_runs() -> None:
         block_runs([1], 17, 16)
 
 
+def test_trailer_carries_the_first_tokens_logprobs() -> None:
+    trailer = Trailer(7, 30, 123, -0.25, ((7, -0.25), (9, -1.5)))
+    assert Trailer.decode(trailer.encode()) == trailer
+    assert Trailer.decode(Trailer(7, 30, 123, -0.25).encode()).top_logprobs == ()
+    assert len(Trailer(7, 30, 123).encode()) < len(Trailer(7, 30, 123, 0.0).encode())  # no logprob asked: not sent
+    with pytest.raises(ProtocolError, match="TRAILER"):
+        Trailer.decode(trailer.encode()[:-1])
+
+
 def test_fault_injector_from_env_and_tamper() -> None:
     inj = FaultInjector.from_env({"PDSERVE_KV_FAULTS": "corrupt:t1:3,corrupt:tamper-*:5,corrupt:*:0"})
     assert inj is not None and inj.corrupt == {"t1": 3, "tamper-*": 5, "*": 0}

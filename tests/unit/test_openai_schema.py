@@ -9,18 +9,15 @@ from fastapi.testclient import TestClient
 
 from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.admission import Overloaded, Unavailable
 from router.http_app import build_app
 from router.metrics import RouterMetrics
-from router.openai_api import (
-    ChatCompletionRequest,
-    CompletionRequest,
-    OpenAIError,
-    loc_to_param,
-    param_from_service,
-    parse_body,
-    prepare,
-)
-from router.service import Overloaded, RouterSettings, Unavailable
+from router.openai.body import parse_body
+from router.openai.convert import param_from_service, prepare
+from router.openai.errors import OpenAIError, loc_to_param
+from router.openai.protocol import ChatCompletionRequest, CompletionRequest
+from router.request import ChatPrompt, RouterRequest
+from router.settings import RouterSettings
 
 SETTINGS = RouterSettings(model_name="tiny", max_model_len=128, transport="local")
 
@@ -45,8 +42,8 @@ def test_chat_request_becomes_a_chat_prompt():
     ], max_completion_tokens=7, temperature=0, top_p=0.5, seed=3, stop="\n", logprobs=True, top_logprobs=2,
         stream=True, stream_options={"include_usage": True}, user="u", some_future_field={"x": 1})
     req = prep.request
-    assert req.WhichOneof("prompt") == "chat" and req.model == "tiny" and req.request_id
-    assert [(m.role, m.content) for m in req.chat.messages] == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
+    assert isinstance(req.prompt, ChatPrompt) and req.model == "tiny" and req.request_id
+    assert [(m.role, m.content) for m in req.prompt.messages] == [("system", "be brief"), ("user", "a\nb"), ("assistant", "")]
     s = req.sampling
     assert (s.max_tokens, s.temperature, s.top_p, s.seed, list(s.stop), s.logprobs) == (7, 0.0, 0.5, 3, ["\n"], 2)
     assert prep.stream and prep.include_usage and prep.max_tokens_param == "max_completion_tokens"
@@ -56,14 +53,14 @@ def test_chat_request_becomes_a_chat_prompt():
 def test_completion_defaults_follow_openai():
     prep = parsed(CompletionRequest, model="tiny", prompt="Hello")
     req = prep.request
-    assert req.text == "Hello" and req.raw
-    assert req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0 and not req.sampling.HasField("logprobs")
+    assert req.prompt.text == "Hello" and req.prompt.raw
+    assert req.sampling.max_tokens == 16 and req.sampling.temperature == 1.0 and req.sampling.logprobs is None
     assert not prep.stream and prep.id.startswith("cmpl-")
-    assert parsed(CompletionRequest, prompt=["Hi"]).request.text == "Hi"  # model may be left out
-    assert list(parsed(CompletionRequest, prompt=[1, 2, 3]).request.token_ids.ids) == [1, 2, 3]
-    assert list(parsed(CompletionRequest, prompt=[[4, 5]]).request.token_ids.ids) == [4, 5]
+    assert parsed(CompletionRequest, prompt=["Hi"]).request.prompt.text == "Hi"  # model may be left out
+    assert list(parsed(CompletionRequest, prompt=[1, 2, 3]).request.prompt.ids) == [1, 2, 3]
+    assert list(parsed(CompletionRequest, prompt=[[4, 5]]).request.prompt.ids) == [4, 5]
     chat = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": "x"}]).request.sampling
-    assert chat.max_tokens == 0  # chat: the server default
+    assert chat.max_tokens is None  # chat: the server default
 
 
 @pytest.mark.parametrize("schema, body, param", [
@@ -127,7 +124,7 @@ class FakeService:
     def __init__(self, script):
         self.settings, self.metrics, self.pool, self.tokenizer = SETTINGS, RouterMetrics(), FakePool(), FakeTokenizer()
         self.script = script
-        self.seen: list[pb.GenerateRequest] = []
+        self.seen: list[RouterRequest] = []
 
     async def stream(self, request):
         self.seen.append(request)

@@ -9,13 +9,11 @@ import time
 
 import pytest
 
-from deploy.config import RouterConfig
 from engine.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.metrics import RouterMetrics
-from router.pool import WorkerPool
-from router.service import DecodeLost, DecodeStream, RouterService, _Progress
-from tests.unit.test_openai_schema import SETTINGS
+from router.progress import Progress
+from router.relay import DecodeLost, DecodeRelay, DecodeStream
 
 STALL_S = 0.2
 
@@ -37,13 +35,12 @@ class SilentCall:
         self.cancelled = True
 
 
-def service() -> RouterService:
-    settings = dataclasses.replace(SETTINGS, config=RouterConfig(stall_timeout_s=STALL_S))
-    return RouterService(settings, tokenizer=None, pool=WorkerPool(), metrics=RouterMetrics())
+def service() -> DecodeRelay:
+    return DecodeRelay(STALL_S, metrics=RouterMetrics())
 
 
-def streaming_state() -> _Progress:
-    state = _Progress("r", [1, 2], SamplingParams(max_tokens=8), time.monotonic(), time.monotonic() + 60, detok=None)
+def streaming_state() -> Progress:
+    state = Progress("r", [1, 2], SamplingParams(max_tokens=8), time.monotonic(), time.monotonic() + 60, detok=None)
     state.last_token_at = time.monotonic()  # tokens already flow
     return state
 
@@ -55,7 +52,7 @@ class FakeWorker:
 
 async def test_slow_but_healthy_worker_is_waited_for():
     router, worker = service(), FakeWorker(healthy=True)
-    message = await router._next_message(DecodeStream(SilentCall(delay_s=4 * STALL_S)), streaming_state(), worker)
+    message = await router.next_message(DecodeStream(SilentCall(delay_s=4 * STALL_S)), streaming_state(), worker)
     assert list(message.chunk.token_ids) == [7]
     assert router.metrics.stalls._value.get() == 0
 
@@ -70,7 +67,7 @@ async def test_silent_stream_of_a_worker_out_of_rotation_is_lost():
 
     asyncio.get_running_loop().create_task(take_out_of_rotation())
     with pytest.raises(DecodeLost, match="out of rotation"):
-        await router._next_message(DecodeStream(call), streaming_state(), worker)
+        await router.next_message(DecodeStream(call), streaming_state(), worker)
     assert router.metrics.stalls._value.get() == 1
 
 
@@ -78,5 +75,5 @@ async def test_no_stall_check_before_the_first_token():
     router, worker = service(), FakeWorker(healthy=False)
     state = streaming_state()
     state.last_token_at = None  # waiting for the prefill: the deadline, not the stall check, bounds it
-    message = await router._next_message(DecodeStream(SilentCall(delay_s=2 * STALL_S)), state, worker)
+    message = await router.next_message(DecodeStream(SilentCall(delay_s=2 * STALL_S)), state, worker)
     assert list(message.chunk.token_ids) == [7]

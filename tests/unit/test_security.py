@@ -36,7 +36,7 @@ from kvtransfer.wire import sign_begin, verify_begin
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.pool import WorkerPool
-from router.service import RegistryService
+from router.registry_service import RegistryService
 
 pytestmark = pytest.mark.timeout(60)
 

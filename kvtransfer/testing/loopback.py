@@ -2,7 +2,8 @@
 behind the integration tests and `bench/kvtransfer.py`.
 
 Lifecycle: `Peer("receiver" | "sender", spec).start()` spawns a child (multiprocessing
-"spawn", so no state leaks from the parent), which applies `spec.env`, builds its side (a
+"spawn", so no state leaks from the parent), which applies `spec.env` (a sender reads its
+`PDSERVE_KV_FAULTS` from it once, at start), builds its side (a
 receiver child runs one KVReceiver per transport in `spec.transports`, all into one pool),
 answers "ready" (a receiver with {transport: endpoint}) and serves commands until "stop".
 Every wait has a timeout; `stop()` escalates to kill, and `kill()` is SIGKILL (peer death).
@@ -30,6 +31,7 @@ import torch
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer.buffers import tensor_bytes
 from kvtransfer.errors import KVTransferError
+from kvtransfer.faults import FaultInjector
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender, OutgoingTransfer
 from kvtransfer.wire import TransferHeader, fingerprint
@@ -282,7 +284,7 @@ class _SenderChild:
         self.data: dict[tuple[int, int], list[tuple[torch.Tensor, torch.Tensor]]] = {}
 
     def serve(self) -> None:
-        sender = KVSender(transport_options=self.spec.transport_options)
+        sender = KVSender(transport_options=self.spec.transport_options, faults=FaultInjector.from_env())
         self.conn.send(("ok", os.getpid()))
         try:
             while True:

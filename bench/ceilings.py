@@ -1,0 +1,95 @@
+"""The model's attention-free ceilings: its forward with attention replaced by a function that returns
+the query unchanged, so only the matmuls (and norms) run. `run_matmul_ceiling` times a batch of
+single decode tokens, `run_prefill_ceiling` one packed prompt chunk; `workload_ceiling` combines them
+into the best useful tokens/s any engine could reach on a workload here."""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+
+import torch
+from tqdm import tqdm
+
+from bench.engine_workload import Workload
+from bench.measure import Clock
+
+NOATTN_IMPLEMENTATION = "pdserve_noattn"
+
+
+def _no_attention(module, query, key, value, attention_mask, **kwargs):
+    """Attention 'disabled': hand the query back in the [batch, tokens, heads, dim] layout HF expects."""
+    return query.transpose(1, 2), None
+
+
+def _register_no_attention() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    AttentionInterface.register(NOATTN_IMPLEMENTATION, _no_attention)
+    AttentionMaskInterface.register(NOATTN_IMPLEMENTATION, lambda *a, **k: None)
+    return NOATTN_IMPLEMENTATION
+
+
+@torch.inference_mode()
+def run_matmul_ceiling(model: torch.nn.Module, batch: int, iters: int, position: int, vocab_size: int) -> dict:
+    model.set_attn_implementation(_register_no_attention())
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab_size, (batch, 1), generator=gen)
+    positions = torch.full((batch, 1), position, dtype=torch.long)
+    for _ in range(2):
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+    times = []
+    clock = Clock()
+    for _ in tqdm(range(iters), desc="matmul ceiling", unit="fwd", file=sys.stderr, dynamic_ncols=True):
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=positions, use_cache=False)
+        times.append(time.perf_counter() - t0)
+    _, cpu = clock.stop()
+    median = statistics.median(times)
+    return {
+        "batch": batch,
+        "iters": iters,
+        "step_ms_median": round(median * 1e3, 2),
+        "step_ms_min": round(min(times) * 1e3, 2),
+        "tokens_per_s": round(batch / median, 2),
+        "tokens_per_cpu_s": round(batch * iters / max(cpu, 1e-9), 2),
+    }
+
+
+@torch.inference_mode()
+def run_prefill_ceiling(model: torch.nn.Module, tokens: int, iters: int, vocab_size: int) -> dict:
+    """The same attention-free forward on one packed prompt chunk of `tokens` tokens (logits of the last
+    only): the most prompt tokens per second any engine gets out of these matmuls."""
+    model.set_attn_implementation(_register_no_attention())
+    gen = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, vocab_size, (1, tokens), generator=gen)
+    positions = torch.arange(tokens).unsqueeze(0)
+    model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+    times = []
+    for _ in tqdm(range(iters), desc="prefill ceiling", unit="fwd", file=sys.stderr, dynamic_ncols=True):
+        t0 = time.perf_counter()
+        model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+        times.append(time.perf_counter() - t0)
+    median = statistics.median(times)
+    return {"tokens": tokens, "iters": iters, "step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(tokens / median, 2)}
+
+
+def workload_ceiling(r: dict, w: Workload) -> dict:
+    """What no engine gets past on this machine: every prompt token at the prefill ceiling's rate and
+    every output token at the batch-64 decode ceiling's, attention free (decode at the smaller batches
+    of a run's tail is slower still, so this bound is generous)."""
+    prompt_tokens = sum(len(p) for p in w.prompts)
+    seconds = prompt_tokens / r["prefill_ceiling"]["tokens_per_s"] + w.useful_tokens / r["matmul_ceiling"]["tokens_per_s"]
+    best = w.useful_tokens / seconds
+    return {
+        "prompt_tokens": prompt_tokens,
+        "output_tokens": w.useful_tokens,
+        "seconds": round(seconds, 2),
+        "useful_tokens_per_s": round(best, 2),
+        "engine_fraction": round(r["engine"]["tokens_per_s"] / best, 3),
+        "engine_fraction_cpu_time": round(r["engine"]["tokens_per_cpu_s"] / best, 3),
+        "max_possible_over_hf_static": round(best / r["hf_static"]["tokens_per_s"], 2),
+        "max_possible_over_hf_continuous": round(best / r["hf_continuous"]["tokens_per_s"], 2),
+    }

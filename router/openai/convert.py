@@ -1,0 +1,160 @@
+"""An OpenAI request model -> the router core's `RouterRequest` (plus what the answer needs).
+
+`prepare` checks what the models cannot (served model, n, unsupported features, context length),
+turns chat messages or a completion prompt and the sampling fields into a `RouterRequest`, and
+keeps in `Prepared` what shaping the answer needs (kind, id, stream options, logprobs).
+`param_from_service` maps the core's field names (`sampling.top_p`) back to OpenAI's.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from router.openai.errors import invalid
+from router.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.request import ChatPrompt, ChatTurn, Prompt, RouterRequest, SamplingRequest, TextPrompt, TokenPrompt
+from router.settings import RouterSettings
+from router.validation import MAX_STOP_STRINGS
+
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+"""OpenAI's default for the legacy completions endpoint; chat leaves it to the server default."""
+
+
+@dataclass
+class Prepared:
+    """One converted request, ready for the router core."""
+
+    kind: str  # "completion" | "chat"
+    request: RouterRequest
+    model: str
+    stream: bool = False
+    include_usage: bool = False
+    logprobs: int | None = None
+    max_tokens_param: str = "max_tokens"
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSettings) -> Prepared:
+    kind = "chat" if isinstance(body, ChatCompletionRequest) else "completion"
+    if body.model is not None and body.model != settings.model_name:
+        raise invalid("model", f"the model {body.model!r} does not exist; this server serves {settings.model_name!r}",
+                      code="model_not_found")
+    _check_unsupported(body)
+    request_id = uuid.uuid4().hex
+    if kind == "chat":
+        prompt = _chat_prompt(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise invalid("top_logprobs", "requires logprobs to be true")
+        logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    else:
+        prompt = _completion_prompt(body)
+        logprobs = body.logprobs
+    prep = Prepared(kind=kind, request=RouterRequest(prompt, request_id=request_id, model=settings.model_name),
+                    model=settings.model_name, stream=bool(body.stream), logprobs=logprobs,
+                    include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+                    id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id)
+    prep.request.sampling = _sampling(prep, body, settings)
+    return prep
+def _check_unsupported(body) -> None:
+    if body.n is not None and body.n != 1:
+        raise invalid("n", f"only n=1 is supported, got {body.n}" if body.n > 1 else f"must be >= 1, got {body.n}")
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(body, name):
+            raise invalid(name, "is not supported (only 0)")
+    if body.logit_bias:
+        raise invalid("logit_bias", "is not supported")
+    if isinstance(body, CompletionRequest):
+        if body.echo:
+            raise invalid("echo", "is not supported")
+        if body.best_of is not None and body.best_of != 1:
+            raise invalid("best_of", f"only best_of=1 is supported, got {body.best_of}")
+        if body.suffix:
+            raise invalid("suffix", "is not supported")
+    else:
+        if body.tools:
+            raise invalid("tools", "tool calling is not supported")
+        if body.response_format and body.response_format.get("type", "text") != "text":
+            raise invalid("response_format", "only the 'text' format is supported")
+
+
+def _completion_prompt(body: CompletionRequest) -> Prompt:
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise invalid("prompt", f"only one prompt per request is supported, got {len(prompt)}")
+        prompt = prompt[0]
+    if not prompt:
+        raise invalid("prompt", "must not be empty")
+    return TextPrompt(prompt, raw=True) if isinstance(prompt, str) else TokenPrompt(list(prompt))
+
+
+def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+    if not body.messages:
+        raise invalid("messages", "must contain at least one message")
+    turns = []
+    for i, message in enumerate(body.messages):
+        role = ROLES.get(message.role)
+        if role is None:
+            raise invalid(f"messages[{i}].role", f"must be one of system, developer, user, assistant, got {message.role!r}")
+        turns.append(ChatTurn(role, _message_text(i, message)))
+    return ChatPrompt(turns)
+
+
+def _message_text(i: int, message: ChatMessage) -> str:
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise invalid(f"messages[{i}].content", "is required")
+        return ""
+    if isinstance(content, str):
+        return content
+    texts = []
+    for j, part in enumerate(content):
+        if part.type != "text":
+            raise invalid(f"messages[{i}].content[{j}].type", f"only 'text' content parts are supported, got {part.type!r}")
+        if part.text is None:
+            raise invalid(f"messages[{i}].content[{j}].text", "is required")
+        texts.append(part.text)
+    return "\n".join(texts)
+
+
+def _sampling(prep: Prepared, body, settings: RouterSettings) -> SamplingRequest:
+    max_tokens, name = body.max_tokens, "max_tokens"
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        max_tokens, name = body.max_completion_tokens, "max_completion_tokens"
+    if max_tokens is None and prep.kind == "completion":
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    if max_tokens is not None and max_tokens >= settings.max_model_len:
+        raise invalid(name, f"{max_tokens} leaves no room for the prompt in the model's context length {settings.max_model_len}")
+    prep.max_tokens_param = name
+    stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stop) > MAX_STOP_STRINGS:
+        raise invalid("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+    return SamplingRequest(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=body.top_p,
+        top_k=body.top_k if body.top_k is not None and body.top_k > 0 else None,
+        seed=body.seed,
+        stop=[s for s in stop if s],
+        stop_token_ids=list(body.stop_token_ids or []),
+        ignore_eos=bool(body.ignore_eos),
+        logprobs=prep.logprobs,
+    )
+
+
+def param_from_service(field_path: str, prep: Prepared) -> str:
+    """The router core names proto fields (`sampling.top_p`, `prompt.chat.messages[0].role`);
+    the client knows OpenAI's names."""
+    if field_path == "sampling.max_tokens":
+        return prep.max_tokens_param
+    if field_path.startswith("sampling."):
+        return field_path.removeprefix("sampling.")
+    if field_path.startswith("prompt.chat."):
+        return field_path.removeprefix("prompt.chat.")
+    if field_path.startswith("prompt"):
+        return "messages" if prep.kind == "chat" else "prompt"
+    return field_path

@@ -1,0 +1,109 @@
+"""The OpenAI request bodies as strict pydantic models: `CompletionRequest`, `ChatCompletionRequest`.
+
+They type-check a parsed JSON body (wrong types are errors, unknown fields are ignored as OpenAI
+does) and are also the OpenAPI schema of the request bodies (`/openapi.json`). What they cannot
+check (served model, n, unsupported features, context length) is `router.openai.convert`'s job,
+and the schema states it through `json_schema_extra`.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from engine.sampling import MAX_LOGPROBS
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+"""OpenAI's chat roles -> the router's."""
+
+
+def _documented(default: Any = None, **schema: Any) -> Any:
+    """A field whose accepted values `prepare` narrows further; `schema` says so in the OpenAPI
+    document (so a schema-driven client or fuzzer sends what is served)."""
+    return Field(default, json_schema_extra=schema)
+
+
+def _required_in_schema(name: str):
+    """json_schema_extra that lists an optional field as required and not null: what a client
+    should send; the model itself stays lenient where `prepare` gives a clearer error."""
+
+    def edit(schema: dict) -> None:
+        schema["required"] = [*schema.get("required", []), name]
+        prop = schema["properties"][name]
+        prop["anyOf"] = [option for option in prop["anyOf"] if option.get("type") != "null"]
+        prop.pop("default", None)
+
+    return edit
+
+
+class _Strict(BaseModel):
+    """No type coercion ("5" is not an int, 1.0 is not an int, true is not a number); extra fields ignored.
+    The field validators check only types and ranges; what `prepare` refuses beyond them (roles, n,
+    non-empty lists) is stated in the OpenAPI schema through `json_schema_extra`."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
+
+
+TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
+PositiveInt = Annotated[int, Field(ge=1)]
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
+
+
+class _CommonRequest(_Strict):
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Field(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Field(gt=0, le=1)] | None = None
+    n: int | None = _documented(minimum=1, maximum=1)
+    seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    presence_penalty: float | None = _documented(enum=[0, None])
+    frequency_penalty: float | None = _documented(enum=[0, None])
+    logit_bias: dict[str, float] | None = _documented(maxProperties=0)
+    # extensions in the style of vLLM (the OpenAI client sends them through `extra_body`)
+    top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
+    ignore_eos: bool | None = None
+    stop_token_ids: list[TokenId] | None = None
+
+
+class CompletionRequest(_CommonRequest):
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = _documented(False, enum=[False, None])
+    best_of: int | None = _documented(minimum=1, maximum=1)
+    suffix: str | None = None
+
+
+class ContentPart(_Strict):
+    model_config = ConfigDict(json_schema_extra=_required_in_schema("text"))
+
+    type: str = Field(json_schema_extra={"enum": ["text"]})
+    text: str | None = None
+
+
+class ChatMessage(_Strict):
+    model_config = ConfigDict(json_schema_extra=_required_in_schema("content"))
+
+    role: str = Field(json_schema_extra={"enum": list(ROLES)})
+    content: str | list[ContentPart] | None = None
+    """The schema asks for it; only an assistant message may leave it out (a tool-call turn)."""
+    name: str | None = None
+
+
+class ChatCompletionRequest(_CommonRequest):
+    messages: list[ChatMessage] = Field(json_schema_extra={"minItems": 1})
+    max_completion_tokens: PositiveInt | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list | None = _documented(maxItems=0)
+    response_format: dict | None = None
+
+
+REQUEST_SCHEMAS = (CompletionRequest, ChatCompletionRequest)

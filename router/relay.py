@@ -1,0 +1,118 @@
+"""Relay of one decode worker's `Decode` stream to the client, as `GenerateResponse`s.
+
+`DecodeRelay.relay` reads D's messages one by one (`DecodeStream`), records TTFT / ITL / tokens,
+detokenizes (a stop string ends the request), and shapes the last message from D's `finished`.
+When D goes away mid-stream (the call fails, ends without finishing, or stays silent while the pool
+has taken D out of rotation) it raises `DecodeLost`, and the orchestrator migrates the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+import grpc
+
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.metrics import RouterMetrics
+from router.pool import Worker
+from router.progress import Progress
+
+LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
+
+
+class DecodeLost(Exception):
+    """The decode worker went away mid-stream; the request can migrate."""
+
+
+class DecodeStream:
+    """One `Decode` call read message by message (gRPC forbids mixing `read()` and `async for`
+    on one call); a message read ahead can be pushed back."""
+
+    def __init__(self, call):
+        self._call = call
+        self._pushed: list = []
+
+    async def read(self):
+        if self._pushed:
+            return self._pushed.pop()
+        message = await self._call.read()
+        return None if message is grpc.aio.EOF else message
+
+    def push_back(self, message) -> None:
+        self._pushed.append(message)
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+
+class DecodeRelay:
+    def __init__(self, stall_timeout_s: float, metrics: RouterMetrics):
+        self.stall_timeout_s, self.metrics = stall_timeout_s, metrics
+
+    async def relay(self, call: DecodeStream, state: Progress, decoder: Worker) -> AsyncIterator[pb.GenerateResponse]:
+        """Forward one decode worker's stream; raises DecodeLost if the worker goes away mid-stream."""
+        try:
+            while (message := await self.next_message(call, state, decoder)) is not None:
+                event = message.WhichOneof("event")
+                if event == "chunk":
+                    response = self._on_chunk(state, message.chunk)
+                    yield response
+                    if response.finish_reason:
+                        return
+                elif event == "finished":
+                    yield self._on_finished(state, message.finished)
+                    return
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() in LOST_CODES:
+                raise DecodeLost(f"{exc.code().name}: {exc.details()}") from None
+            raise
+        raise DecodeLost("decode stream ended without finishing")
+
+    async def next_message(self, call: DecodeStream, state: Progress, decoder: Worker) -> pb.DecodeResponse | None:
+        """D's next message. A stream silent for `stall_timeout_s` after its first token is moved off D
+        (DecodeLost) if the pool took D out of rotation meanwhile (missed heartbeats: hung or paused);
+        a D that still heartbeats is only slow (a preempted request waits for blocks) and is waited for.
+        Near the client's deadline the call's own deadline decides."""
+        stall = self.stall_timeout_s
+        if not stall or state.last_token_at is None:
+            return await call.read()
+        read = asyncio.ensure_future(call.read())  # never cancelled while waiting: that would cancel the call
+        try:
+            while not (await asyncio.wait({read}, timeout=stall))[0]:
+                if not decoder.healthy:
+                    read.cancel()
+                    self.metrics.stalls.inc()
+                    raise DecodeLost(f"no token for {stall:g} s and the worker is out of rotation (hung or paused)")
+        except asyncio.CancelledError:
+            read.cancel()
+            raise
+        return read.result()
+
+    def _on_chunk(self, state: Progress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
+        now = time.monotonic()
+        if state.last_token_at is None:
+            state.timings.ttft_s = now - state.arrived
+            self.metrics.ttft.observe(state.timings.ttft_s)
+            self.metrics.observe_stages(state.timings)
+        else:
+            self.metrics.itl.observe(now - state.last_token_at)
+        state.last_token_at = now
+        chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids, logprobs=worker_chunk.logprobs)
+        state.generated.extend(chunk.token_ids)
+        self.metrics.tokens.inc(len(chunk.token_ids))
+        if state.detok is not None:
+            step = state.detok.add(list(chunk.token_ids))
+            chunk.text = step.text
+            if step.stopped:
+                return state.final(chunk, pb.FINISH_REASON_STOP, self.metrics)
+        return pb.GenerateResponse(request_id=state.request_id, chunk=chunk)
+
+    def _on_finished(self, state: Progress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
+        state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
+        tail = pb.TokenChunk(text=state.detok.finish().text) if state.detok is not None else pb.TokenChunk()
+        response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics)
+        if fin.HasField("error"):
+            response.error.CopyFrom(fin.error)
+        return response
