@@ -38,7 +38,7 @@ class KVTransferConfig:
     wire_dtype: str = "native"
     """KV on the wire: native (lossless), int8 or fp8 (lossy, per token-and-head scales, decoded into the
     receiver's dtype), or auto: int8 to a decode worker whose measured link rate is below compress_below_gbps."""
-    compress_below_gbps: float = 5.0
+    compress_below_gbps: float = 2.0
     """With wire_dtype auto: compress KV to decode workers whose link rate measured from earlier transfers is below this."""
 
     def validate(self, prefix: str) -> None:

@@ -120,9 +120,11 @@ class WirePolicy:
     compute the next layer is not counted, so layer-wise streaming does not look like a slow link."""
 
     wire_dtype: str = "native"
-    compress_below_gbps: float = 5.0
+    compress_below_gbps: float = 2.0
     compressed: str = "int8"
     decay: float = 0.5
+    min_sample_bytes: int = 4 << 20
+    """Smaller transfers are not measured: their time is mostly round trips, not bytes."""
     _links: dict[str, _Link] = field(default_factory=dict)
 
     def choose(self, receiver: str) -> str:
@@ -136,6 +138,8 @@ class WirePolicy:
         return None if link is None or link.seconds <= 0 else link.bytes * 8 / link.seconds / 1e9
 
     def record(self, receiver: str, nbytes: int, busy_s: float) -> None:
+        if nbytes < self.min_sample_bytes:
+            return
         link = self._links.setdefault(receiver, _Link())
         link.bytes = link.bytes * self.decay + nbytes
         link.seconds = link.seconds * self.decay + busy_s

@@ -52,8 +52,7 @@ def enter_namespace(ns: str) -> None:
 
 def start_pair(workdir: Path, name: str, layerwise: bool, wire_dtype: str, max_len: int) -> tuple[Any, Any]:
     config = bench_config("ucx", engine={"max_num_batched_tokens": max(2048, max_len), "kv_cache_memory_mb": 512},
-                          kv_transfer={"layerwise": layerwise, "wire_dtype": wire_dtype, "host": net.host_ip(2),
-                                       "compress_below_gbps": 5.0})
+                          kv_transfer={"layerwise": layerwise, "wire_dtype": wire_dtype, "host": net.host_ip(2)})
     path = workdir / f"{name}.yaml"
     path.write_text(yaml.safe_dump(config))
     env = {"PYTHONPATH": str(common.REPO), "PDSERVE_LOG_LEVEL": "WARNING"}
@@ -151,6 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="rates 1 25, lengths 256 1024, 1 repeat")
+    p.add_argument("--auto-only", action="store_true", help="only what `wire_dtype: auto` chooses per rate (kv_link_rate_auto.json)")
     args = p.parse_args(argv)
     if args.quick:
         common.use_quick_results()
@@ -167,15 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     try:
         enter_namespace(net.host_ns(1))
         with tempfile.TemporaryDirectory(prefix="pdserve-linkrate-") as tmp:
-            results = [run_config(network, Path(tmp), *c, args) for c in CONFIGS]
+            results = [] if args.auto_only else [run_config(network, Path(tmp), *c, args) for c in CONFIGS]
             auto = auto_choice(network, Path(tmp), args)
     finally:
         network.destroy()
     report = {"experiment": "kv_link_rate", "command": common.command_line(), "machine": info, "params": vars(args),
               "results": results, "auto": auto, "speedup_int8": crossover(results, args.rates, args.lengths)}
     common.finish(info, started)
-    report["plot"] = plot(report)
-    common.save("kv_link_rate", report)
+    report["plot"] = None if args.auto_only else plot(report)
+    common.save("kv_link_rate_auto" if args.auto_only else "kv_link_rate", report)
     for key, row in report["speedup_int8"].items():
         print(f"{key}: transfer-bound x{row['transfer_bound_speedup']:.2f}, TTFT x{row['ttft_speedup']:.2f}", file=sys.stderr)
     print("auto:", {r: a["chose"] for r, a in auto.items()}, file=sys.stderr)

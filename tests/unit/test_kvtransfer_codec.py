@@ -31,6 +31,8 @@ def test_encoded_size_and_decode_into_native_dtype():
 def test_auto_compresses_only_below_the_threshold():
     policy = codec.WirePolicy("auto", compress_below_gbps=5.0)
     assert policy.choose("b") == "native"  # nothing measured yet
+    policy.record("b", 1 << 20, 1.0)  # a small transfer: round trips, not a rate
+    assert policy.gbps("b") is None
     policy.record("b", 125_000_000, 1.0)  # 1 Gbit/s
     policy.record("c", 3_125_000_000, 1.0)  # 25 Gbit/s
     assert (policy.choose("b"), policy.choose("c")) == ("int8", "native")
