@@ -62,8 +62,8 @@ def _hf_generate(model: torch.nn.Module, prompts: list[list[int]], max_new: int,
         ids[row, width - len(p) :] = torch.tensor(p)
         mask[row, width - len(p) :] = 1
     out = model.generate(
-        input_ids=ids,
-        attention_mask=mask,
+        input_ids=ids.to(model.device),
+        attention_mask=mask.to(model.device),
         max_new_tokens=max_new,
         min_new_tokens=max_new,  # EOS ignored: every row runs to the batch's longest output
         do_sample=False,
@@ -80,7 +80,8 @@ def run_hf_continuous(model: torch.nn.Module, w: Workload, max_batch_tokens: int
     page = 256
     pages = sum(-(-(len(p) + o + 1) // page) for p, o in zip(w.prompts, w.output_lens)) + 4
     gen = GenerationConfig(do_sample=False, max_new_tokens=max(w.output_lens), eos_token_id=-1, pad_token_id=pad_id)
-    cb = ContinuousBatchingConfig(page_size=page, num_blocks=pages, max_batch_tokens=max_batch_tokens)
+    page_field = "page_size" if "page_size" in ContinuousBatchingConfig.__dataclass_fields__ else "block_size"  # < 5.20: block_size
+    cb = ContinuousBatchingConfig(**{page_field: page}, num_blocks=pages, max_batch_tokens=max_batch_tokens)
     manager = model.init_continuous_batching(generation_config=gen, continuous_batching_config=cb)
     manager.start()
     try:

@@ -2,6 +2,6 @@
 
 import sys
 
-from deploy.worker_main import main
+from decode_worker.main import main
 
-sys.exit(main("decode"))
+sys.exit(main())

@@ -24,12 +24,13 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from common.serving import CallGate
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sampler import Sample
 from kvtransfer import KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_from_proto
+from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -55,20 +56,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.kv_timeout_s = kv_timeout_s
         self.admission_timeout_s = admission_timeout_s
         self.fault_point = fault_point
-        self.in_flight = 0
-        self.draining = False
-        self._idle = asyncio.Event()
-        self._idle.set()
+        self.gate = CallGate("decode")
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "decode worker is draining")
         request_id = request.request_id or uuid.uuid4().hex
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        self._enter()
+        params = await sampling_or_abort(request.sampling, context)
+        await self.gate.enter(context)
         try:
             if request.local_prefill:
                 outputs = self.engine.generate(request_id, list(request.token_ids), params)
@@ -78,7 +71,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             async for response in self._remote(request_id, request, params, context):
                 yield response
         finally:
-            self._leave()
+            self.gate.leave()
 
     async def _remote(self, request_id, request, params, context) -> AsyncIterator[pb.DecodeResponse]:
         started = time.monotonic()
@@ -167,22 +160,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.draining,
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining,
                                   kv_bytes_received=self.receiver.stats.bytes_received)
 
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:
-        self.draining = True
-        await self._idle.wait()
-
-    def _enter(self) -> None:
-        self.in_flight += 1
-        self._idle.clear()
-
-    def _leave(self) -> None:
-        self.in_flight -= 1
-        if self.in_flight == 0:
-            self._idle.set()
+        await self.gate.drain()
 
 
 def _finished(request_id: str, reason: int, error: pb.Error | None = None) -> pb.DecodeResponse:
@@ -193,20 +176,3 @@ def _kv_error(exc: KVTransferError) -> pb.Error:
     code = pb.ErrorCode.Value(f"ERROR_CODE_KV_{exc.code.name}") if f"ERROR_CODE_KV_{exc.code.name}" in pb.ErrorCode.keys() else pb.ERROR_CODE_INTERNAL
     return pb.Error(code=code, message=str(exc))
 
-
-async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining: bool, **extra) -> pb.WorkerStats:
-    s = await engine.stats()
-    return pb.WorkerStats(
-        worker_id=worker_id,
-        role=role,
-        queued_requests=s.num_waiting + s.num_waiting_for_kv,
-        queued_prompt_tokens=s.queued_prompt_tokens,
-        running_requests=s.num_running,
-        free_kv_blocks=s.free_blocks,
-        total_kv_blocks=s.total_blocks,
-        prefix_cache_hit_tokens=s.prefix_hit_tokens,
-        prefix_cache_queried_tokens=s.prefix_query_tokens,
-        draining=draining,
-        timestamp_s=time.time(),
-        **extra,
-    )

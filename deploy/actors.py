@@ -1,7 +1,7 @@
 """The Ray actors that host pdserve's servers: one router, one actor per prefill/decode worker.
 
 Each actor owns a `ServerThread` (deploy/hosting.py) that runs the unchanged server coroutine
-(`router.main.serve`, `deploy.worker_main._serve`) on its own event loop in a thread of the actor
+(`router.main.serve`, `prefill_worker.main.serve` / `decode_worker.main.serve`) on its own event loop in a thread of the actor
 process; the actor's methods (called by the controller, in Ray's threads) reach into that loop.
 
 Lifecycle of a worker actor (created by the controller in its own placement group):
@@ -13,7 +13,7 @@ Lifecycle of a worker actor (created by the controller in its own placement grou
   `stop()`   drain and stop (shutdown; the router has already stopped admitting)
 The controller kills the actor and removes its placement group afterwards.
 
-Security (deploy/security.py) travels inside `config.security`: each actor resolves the shared
+Security (common/security.py) travels inside `config.security`: each actor resolves the shared
 secret itself (YAML value, `shared_secret_file` on its node, or PDSERVE_SHARED_SECRET in the
 environment Ray gave it) and reads the TLS files on its node, so the secret need not be pickled.
 
@@ -25,18 +25,18 @@ admitting, wait for requests in flight), `stop()`.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import ray
+
+from common.config import PdserveConfig
+from common.serving import ServerControl, configure_logging, wait_idle
 from deploy.hosting import ServerThread
-from deploy.serving import configure_logging
-
-if TYPE_CHECKING:  # deploy.config imports the engine (torch); Ray clients of these classes stay light
-    from deploy.config import PdserveConfig
+from proto.pdserve.v1 import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,17 @@ def _setup_process(log_level: str) -> None:
 
 
 def _node_ip() -> str:
-    import ray
-
     return ray.util.get_node_ip_address()
+
+
+def _worker_serve(role: str):
+    """The worker's `serve` coroutine. Imported here, in the worker actor's process only: it loads
+    torch and the engine, which the controller and the CLI (they import this module) must not."""
+    if role == "prefill":
+        from prefill_worker.main import serve
+    else:
+        from decode_worker.main import serve
+    return serve
 
 
 def _stats_dict(message) -> dict[str, Any]:
@@ -59,8 +67,7 @@ def _stats_dict(message) -> dict[str, Any]:
 class WorkerActor:
     def __init__(self, role: str, config: PdserveConfig, worker_id: str, bind_host: str | None, log_level: str = "WARNING"):
         _setup_process(log_level)
-        import deploy.worker_main  # noqa: F401 - torch + transformers load while the router starts
-
+        self._serve = _worker_serve(role)  # torch + transformers load while the router starts
         self.role, self.worker_id = role, worker_id
         self.host = bind_host or _node_ip()
         # the KV receiver must be reachable from prefill workers on other nodes: same host as gRPC
@@ -71,10 +78,8 @@ class WorkerActor:
         """Build the engine, serve, register with the router at `router_address`; the ready info."""
         args = argparse.Namespace(host=self.host, port=0, kv_port=0, router=router_address)
 
-        async def main(control) -> None:
-            from deploy.worker_main import _serve
-
-            await _serve(self.role, self.config, args, self.worker_id, control)
+        async def main(control: ServerControl) -> None:
+            await self._serve(self.config, args, self.worker_id, control)
 
         self.server = ServerThread(self.worker_id, main)
         info = self.server.start()
@@ -84,10 +89,8 @@ class WorkerActor:
         service = self.server.handles["service"]
 
         async def read() -> dict[str, Any]:
-            from proto.pdserve.v1 import pdserve_pb2 as pb
-
             stats = _stats_dict(await service.Stats(pb.StatsRequest(), None))
-            return {**stats, "in_flight": service.in_flight}
+            return {**stats, "in_flight": service.gate.in_flight}
 
         return self.server.call(read, timeout_s=10.0)
 
@@ -97,22 +100,12 @@ class WorkerActor:
 
         async def leave_and_wait() -> dict[str, Any]:
             started = time.monotonic()
-            in_flight_at_start = service.in_flight
+            in_flight_at_start = service.gate.in_flight
             if registration is not None:
                 await registration.stop()  # Deregister: the router picks us no more
-            deadline = started + timeout_s
-            idle_since = None
-            while time.monotonic() < deadline:
-                now = time.monotonic()
-                if service.in_flight:
-                    idle_since = None
-                elif idle_since is None:
-                    idle_since = now
-                elif now - idle_since >= settle_s:
-                    break
-                await asyncio.sleep(0.05)
+            left = await wait_idle(lambda: service.gate.in_flight, timeout_s=timeout_s, settle_s=settle_s)
             return {"worker_id": self.worker_id, "in_flight_at_drain": in_flight_at_start,
-                    "in_flight_left": service.in_flight, "drain_s": round(time.monotonic() - started, 3)}
+                    "in_flight_left": left, "drain_s": round(time.monotonic() - started, 3)}
 
         result = self.server.call(leave_and_wait)
         self.server.stop()
@@ -132,8 +125,8 @@ class RouterActor:
         host = bind_host or _node_ip()
         args = argparse.Namespace(host=host, grpc_port=None, http_port=None, prefill=[], decode=[])
 
-        async def main(control) -> None:
-            from router.main import serve
+        async def main(control: ServerControl) -> None:
+            from router.main import serve  # the router actor's process only (transformers: the tokenizer)
 
             await serve(config, args, control)
 
@@ -179,14 +172,11 @@ class RouterActor:
         how many were still in flight at the timeout."""
         router = self.server.handles["router"]
 
-        async def wait_idle() -> int:
+        async def stop_admitting_and_wait() -> int:
             router.draining = True
-            deadline = time.monotonic() + timeout_s
-            while router.admission.requests and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            return router.admission.requests
+            return await wait_idle(lambda: router.admission.requests, timeout_s=timeout_s)
 
-        return self.server.call(wait_idle)
+        return self.server.call(stop_admitting_and_wait)
 
     def stop(self, timeout_s: float = 60.0) -> None:
         self.server.stop(timeout_s)

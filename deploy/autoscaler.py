@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from deploy.config import AutoscalerConfig, PoolConfig
+    from common.config import AutoscalerConfig, PoolConfig
 
 LOAD_SIGNALS = ("queued_prompt_tokens", "running_requests", "kv_usage")
 """Signals that spread over the workers (they shrink per worker when the pool grows)."""

@@ -12,11 +12,19 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import logging
 import os
 import sys
 import uuid
+
+from common.engine_config import EngineConfig
+from deploy import commands
+from engine.errors import EngineError
+from engine.sampling import SamplingParams
+from engine.tokenization import encode_prompt
+from router.client import generate_via_router
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -52,33 +60,25 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("name", choices=["engine", "kvtransfer", "serve"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
-    from deploy import launcher
-
-    launcher.add_commands(sub)
+    commands.add_commands(sub)
 
     args = parser.parse_args(argv)
-    if args.command in ("serve", "up", "down", "status", "scale"):
-        logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        return launcher.run(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.command in ("serve", "up", "down", "status", "scale"):
+        return commands.run(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "model":
-        from engine.model_loader import resolve_model_path
+        from engine.model_loader import resolve_model_path  # torch: only for this command
 
         print(resolve_model_path(args.model))
         return 0
     if args.command == "bench":
-        import importlib
-
         return importlib.import_module(f"bench.{args.name}").main(args.args) or 0
     return 2
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from engine.errors import EngineError
-    from engine.sampling import SamplingParams
-
     params = SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed
     )
@@ -86,8 +86,6 @@ def _generate(args: argparse.Namespace) -> int:
         if args.local:
             result = _generate_local(args, params)
         else:
-            from router.client import generate_via_router
-
             result = generate_via_router(args.router, args.prompt, params, raw=args.raw, timeout=args.timeout, tls=args.tls,
                                          tls_ca_file=args.tls_ca_file, tls_server_name=args.tls_server_name, api_key=args.api_key)
     except EngineError as exc:
@@ -101,8 +99,7 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_local(args: argparse.Namespace, params) -> dict:
-    from engine import Engine, EngineConfig
-    from engine.tokenization import encode_prompt
+    from engine import Engine  # torch: only for --local
 
     params.validate()
     engine = Engine(EngineConfig(model=args.model))

@@ -23,26 +23,22 @@ import collections
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.exceptions import RayActorError
 
+from common.config import PdserveConfig
 from deploy.actors import RouterActor, WorkerActor
 from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
-
-if TYPE_CHECKING:  # the config module imports torch (via engine); `pdserve status` must stay light
-    from deploy.config import PdserveConfig, PoolConfig
+from deploy.placement import Placement, dispose, wait_ref
+from deploy.slots import Pool, WorkerSlot, worker_status
 
 log = logging.getLogger(__name__)
 
-NAMESPACE = "pdserve"
 CONTROLLER_NAME = "controller"
 ROLES = ("prefill", "decode")
-PLACEMENT_TIMEOUT_S = 300.0
 START_TIMEOUT_S = 600.0
 REGISTER_TIMEOUT_S = 60.0
 HEALTH_INTERVAL_S = 2.0
@@ -62,35 +58,6 @@ class DeployOptions:
     log_level: str = "WARNING"
     detached: bool = False
     """Actors and placement groups outlive the driver that created them (`pdserve up`)."""
-
-
-@dataclass
-class WorkerSlot:
-    worker_id: str
-    role: str
-    actor: Any = None
-    pg: Any = None
-    state: str = "starting"
-    """starting -> ready -> draining (then gone)."""
-    info: dict = field(default_factory=dict)
-    stats: dict | None = None
-    created: float = field(default_factory=time.time)
-
-
-@dataclass
-class Pool:
-    role: str
-    config: PoolConfig
-    autoscaler: PoolAutoscaler
-    target: int = 0
-    workers: dict[str, WorkerSlot] = field(default_factory=dict)
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-
-    def active(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if w.state != "draining"]
-
-    def ready(self) -> list[WorkerSlot]:
-        return [w for w in self.workers.values() if w.state == "ready"]
 
 
 class Controller:
@@ -114,7 +81,7 @@ class Controller:
         self._latency_prev: dict[str, list] = {}
         self.latency: dict[str, float | None] = {"ttft": None, "itl": None}
         self.stopping = False
-        self._has_gpus = ray.cluster_resources().get("GPU", 0) > 0
+        self.placement = Placement(options.detached)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -140,7 +107,7 @@ class Controller:
         left = 0
         if self.router is not None:
             try:
-                left = await _wait(self.router.drain.remote(grace_s), grace_s + 10)
+                left = await wait_ref(self.router.drain.remote(grace_s), grace_s + 10)
             except Exception as exc:  # noqa: BLE001 - a dead router must not block the shutdown
                 log.warning("router drain failed: %r", exc)
         slots = [w for pool in self.pools.values() for w in pool.workers.values()]
@@ -149,10 +116,10 @@ class Controller:
             pool.workers.clear()
         if self.router is not None:
             try:
-                await _wait(self.router.stop.remote(grace_s), grace_s + 10)
+                await wait_ref(self.router.stop.remote(grace_s), grace_s + 10)
             except Exception as exc:  # noqa: BLE001
                 log.warning("router stop failed: %r", exc)
-            _dispose(self.router, self.router_pg)
+            dispose(self.router, self.router_pg)
             self.router = self.router_pg = None
         return {"stopped_workers": len(slots), "requests_left_in_flight": left}
 
@@ -213,21 +180,21 @@ class Controller:
         slot = pool.workers[worker_id] = WorkerSlot(worker_id, pool.role)
         cfg = pool.config
         try:
-            slot.pg = await self._placement_group(worker_id, self._bundle(cfg.num_cpus, cfg.num_gpus, cfg.resources), cfg.placement_strategy)
+            slot.pg = await self.placement.group(worker_id, self.placement.bundle(cfg.num_cpus, cfg.num_gpus, cfg.resources), cfg.placement_strategy)
             if self.stopping:
                 raise RuntimeError("pdserve is shutting down")
-            slot.actor = RemoteWorker.options(**self._actor_options(worker_id, slot.pg), max_concurrency=8).remote(
+            slot.actor = RemoteWorker.options(**self.placement.actor_options(worker_id, slot.pg), max_concurrency=8).remote(
                 pool.role, self.config, worker_id, self.options.bind_host, self.options.log_level
             )
             await self._router_task  # the router's address (raises if the router failed)
-            slot.info = await _wait(slot.actor.start.remote(self.router_info["address"]), START_TIMEOUT_S)
+            slot.info = await wait_ref(slot.actor.start.remote(self.router_info["address"]), START_TIMEOUT_S)
             await self._wait_registered(worker_id)
             slot.state = "ready"
             log.info("worker %s ready at %s", worker_id, slot.info.get("address"))
             return worker_id
         except BaseException:
             pool.workers.pop(worker_id, None)
-            _dispose(slot.actor, slot.pg)
+            dispose(slot.actor, slot.pg)
             raise
 
     async def _pick_victims(self, pool: Pool, k: int) -> list[WorkerSlot]:
@@ -248,73 +215,34 @@ class Controller:
         try:
             if slot.actor is None:
                 return {"worker_id": slot.worker_id, "in_flight_at_drain": 0}
-            return await _wait(slot.actor.drain.remote(DRAIN_SETTLE_S, timeout), timeout + 60)
+            return await wait_ref(slot.actor.drain.remote(DRAIN_SETTLE_S, timeout), timeout + 60)
         except Exception as exc:  # noqa: BLE001 - a worker that died while draining is gone anyway
             return {"worker_id": slot.worker_id, "error": repr(exc)}
         finally:
             pool.workers.pop(slot.worker_id, None)
-            _dispose(slot.actor, slot.pg)
+            dispose(slot.actor, slot.pg)
 
     async def _stop_worker(self, slot: WorkerSlot, grace_s: float) -> None:
         slot.state = "draining"
         try:
             if slot.actor is not None:
-                await _wait(slot.actor.stop.remote(grace_s), grace_s + 10)
+                await wait_ref(slot.actor.stop.remote(grace_s), grace_s + 10)
         except Exception as exc:  # noqa: BLE001
             log.warning("worker %s did not stop cleanly: %r", slot.worker_id, exc)
         finally:
-            _dispose(slot.actor, slot.pg)
-
-    # ---- placement --------------------------------------------------------------------------------
-    def _bundle(self, num_cpus: float, num_gpus: float, resources: dict[str, float]) -> dict[str, float]:
-        bundle = {"CPU": float(num_cpus)} if num_cpus else {}
-        bundle.update({k: float(v) for k, v in resources.items()})
-        if num_gpus and self._has_gpus:
-            bundle["GPU"] = float(num_gpus)
-        elif num_gpus:
-            log.warning("num_gpus=%s requested but the cluster has no GPU: placing on CPU only", num_gpus)
-            bundle.setdefault("CPU", 1.0)
-        return bundle
-
-    def _actor_options(self, name: str, pg) -> dict:
-        """Options that place an actor in its placement group's only bundle, using all of it."""
-        bundle = pg.bundle_specs[0]
-        custom = {k: v for k, v in bundle.items() if k not in ("CPU", "GPU")}
-        return {
-            "num_cpus": bundle.get("CPU", 0),
-            "num_gpus": bundle.get("GPU", 0),
-            **({"resources": custom} if custom else {}),
-            "scheduling_strategy": PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            "name": f"pdserve:{name}",
-            "namespace": NAMESPACE,
-            "lifetime": "detached" if self.options.detached else None,
-            "max_restarts": 0,
-        }
-
-    async def _placement_group(self, name: str, bundle: dict, strategy: str):
-        pg = placement_group([bundle], strategy=strategy, name=f"pdserve:{name}",
-                             lifetime="detached" if self.options.detached else None)
-        try:
-            await _wait(pg.ready(), PLACEMENT_TIMEOUT_S)
-        except GetTimeoutError:
-            remove_placement_group(pg)
-            raise RuntimeError(f"no room for {name}: it needs {bundle}, the cluster has {ray.available_resources()} free") from None
-        except BaseException:
-            remove_placement_group(pg)
-            raise
-        return pg
+            dispose(slot.actor, slot.pg)
 
     async def _start_router(self) -> None:
         cfg = self.config.router
         bind = cfg.host if cfg.host in WILDCARDS else self.options.bind_host
-        self.router_pg = await self._placement_group("router", self._bundle(cfg.num_cpus, 0, cfg.resources), "PACK")
-        self.router = RemoteRouter.options(**self._actor_options("router", self.router_pg), max_concurrency=8).remote(
+        self.router_pg = await self.placement.group("router", self.placement.bundle(cfg.num_cpus, 0, cfg.resources), "PACK")
+        self.router = RemoteRouter.options(**self.placement.actor_options("router", self.router_pg), max_concurrency=8).remote(
             self.config, bind, self.options.log_level
         )
         try:
-            info = await _wait(self.router.start.remote(), START_TIMEOUT_S)
+            info = await wait_ref(self.router.start.remote(), START_TIMEOUT_S)
         except BaseException:
-            _dispose(self.router, self.router_pg)
+            dispose(self.router, self.router_pg)
             self.router = self.router_pg = None
             raise
         host = info["address"].rsplit(":", 1)[0]
@@ -323,7 +251,7 @@ class Controller:
     async def _wait_registered(self, worker_id: str) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while time.monotonic() < deadline:
-            view = await _wait(self.router.pool_view.remote(), 10)
+            view = await wait_ref(self.router.pool_view.remote(), 10)
             if any(w["worker_id"] == worker_id and w["healthy"] for w in view):
                 return
             await asyncio.sleep(0.1)
@@ -346,7 +274,7 @@ class Controller:
             for slot in dead:
                 log.warning("worker %s died; removing it", slot.worker_id)
                 pool.workers.pop(slot.worker_id, None)
-                _dispose(slot.actor, slot.pg)
+                dispose(slot.actor, slot.pg)
                 self.events.append({"time": time.time(), "pool": pool.role, "reason": f"{slot.worker_id} died"})
         await self._sample_latency()
         for pool in self.pools.values():
@@ -369,7 +297,7 @@ class Controller:
         """Fetch Stats of `slots` concurrently; returns those whose actor is dead."""
         async def fetch(slot: WorkerSlot) -> bool:
             try:
-                slot.stats = await _wait(slot.actor.stats.remote(), 5.0)
+                slot.stats = await wait_ref(slot.actor.stats.remote(), 5.0)
             except RayActorError:
                 return slot.state == "ready"
             except Exception:  # noqa: BLE001 - slow or failing: keep the last stats, mark unknown
@@ -381,7 +309,7 @@ class Controller:
 
     async def _sample_latency(self) -> None:
         try:
-            current = await _wait(self.router.latency_buckets.remote(), 5.0)
+            current = await wait_ref(self.router.latency_buckets.remote(), 5.0)
         except Exception:  # noqa: BLE001
             return
         q = self.config.autoscaler.latency_quantile
@@ -396,7 +324,7 @@ class Controller:
                                   "node_ip": self.router_info.get("node_ip"), "health": "unhealthy"}
         registered: dict[str, dict] = {}
         try:
-            view, summary = await asyncio.gather(_wait(self.router.pool_view.remote(), 5), _wait(self.router.summary.remote(), 5))
+            view, summary = await asyncio.gather(wait_ref(self.router.pool_view.remote(), 5), wait_ref(self.router.summary.remote(), 5))
             registered = {w["worker_id"]: w for w in view}
             router.update(summary)
             router["health"] = "draining" if summary["draining"] else "healthy"
@@ -412,7 +340,7 @@ class Controller:
                 "target": pool.target,
                 "min_replicas": pool.config.min_replicas,
                 "max_replicas": pool.config.max_replicas,
-                "workers": [self._worker_status(s, registered.get(s.worker_id)) for s in slots],
+                "workers": [worker_status(s, registered.get(s.worker_id)) for s in slots],
             }
         scaler = self.config.autoscaler
         autoscaler = {
@@ -423,55 +351,4 @@ class Controller:
         }
         return {"router": router, "pools": pools, "autoscaler": autoscaler, "events": list(self.events)[-10:]}
 
-    @staticmethod
-    def _worker_status(slot: WorkerSlot, seen: dict | None) -> dict:
-        s = slot.stats or {}
-        total = s.get("total_kv_blocks", 0)
-        if slot.state != "ready":
-            health = slot.state
-        elif not s:
-            health = "unhealthy"
-        elif seen is None or not seen["healthy"]:
-            health = "unregistered"
-        else:
-            health = "healthy"
-        return {
-            "id": slot.worker_id,
-            "address": slot.info.get("address"),
-            "kv_port": slot.info.get("kv_port"),
-            "node_ip": slot.info.get("node_ip"),
-            "pid": slot.info.get("pid"),
-            "health": health,
-            "uptime_s": round(time.time() - slot.created, 1),
-            "in_flight": s.get("in_flight", 0),
-            "queued_requests": s.get("queued_requests", 0),
-            "queued_prompt_tokens": s.get("queued_prompt_tokens", 0),
-            "running_requests": s.get("running_requests", 0),
-            "free_kv_blocks": s.get("free_kv_blocks", 0),
-            "total_kv_blocks": total,
-            "kv_usage": round((total - s.get("free_kv_blocks", 0)) / total, 4) if total else 0.0,
-            "kv_bytes_sent": s.get("kv_bytes_sent", 0),
-            "kv_bytes_received": s.get("kv_bytes_received", 0),
-        }
 
-
-async def _wait(ref, timeout_s: float):
-    """Await a Ray ObjectRef with a timeout."""
-    try:
-        return await asyncio.wait_for(asyncio.wrap_future(ref.future()), timeout_s)
-    except TimeoutError:
-        raise GetTimeoutError(f"no answer within {timeout_s:.0f} s") from None
-
-
-def _dispose(actor, pg) -> None:
-    """Kill an actor and remove its placement group; either may be gone already (idempotent)."""
-    if actor is not None:
-        try:
-            ray.kill(actor, no_restart=True)
-        except Exception as exc:  # noqa: BLE001
-            log.debug("kill: %r", exc)
-    if pg is not None:
-        try:
-            remove_placement_group(pg)
-        except Exception as exc:  # noqa: BLE001
-            log.debug("remove placement group: %r", exc)

@@ -1,4 +1,4 @@
-"""Host an asyncio server (the router's `serve`, a worker's `_serve`) inside another process.
+"""Host an asyncio server (the router's `serve`, a worker's `serve`) inside another process.
 
 Lifecycle of a `ServerThread`: `start()` runs the server coroutine on a fresh event loop in a
 daemon thread and blocks until the server called `control.ready(...)` (returns its ready info) or
@@ -16,7 +16,7 @@ import threading
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
-from deploy.serving import ServerControl
+from common.serving import ServerControl
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")

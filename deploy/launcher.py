@@ -1,6 +1,7 @@
-"""Ray side of the `pdserve` CLI: `serve`, `up`, `down`, `status`, `scale`.
+"""Ray side of the `pdserve` CLI: `serve`, `up`, `down`, `status`, `scale` (flags and config
+loading: deploy/commands.py, which imports this module only for these commands).
 
-`serve` (foreground): load and validate the config (a bad one exits 2 before Ray starts); start an
+`serve` (foreground): with the config validated (a bad one exits 2 before Ray starts); start an
 embedded single-node Ray, or join `--address`; create the controller (deploy/controller.py), which
 places the router and both pools; print the ready line; wait for SIGINT/SIGTERM (or for the
 controller to go away: `pdserve down`); then drain (router stops admitting, requests in flight
@@ -20,57 +21,32 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from deploy.config import PdserveConfig
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import get_placement_group, remove_placement_group
+
+from common.config import PdserveConfig
+from deploy.commands import SHUTDOWN_GRACE_S, custom_resources, format_status, logical_cpus, parse_scale_targets
+from deploy.controller import CONTROLLER_NAME, Controller, DeployOptions
+from deploy.placement import NAMESPACE
 
 log = logging.getLogger(__name__)
-SHUTDOWN_GRACE_S = 30.0
 
 
-def add_commands(sub: argparse._SubParsersAction) -> None:
-    serve = sub.add_parser("serve", help="run router + prefill + decode pools on Ray in the foreground")
-    _config_flags(serve)
-    serve.add_argument("--grpc-port", type=int, default=None, help="router gRPC port (default: router.grpc_port; 0: any free port)")
-    serve.add_argument("--http-port", type=int, default=None, help="router HTTP port (default: router.http_port; 0: any free port)")
-    serve.add_argument("--num-cpus", type=float, default=None, help="logical CPUs of the embedded Ray (default: what the config needs)")
-
-    up = sub.add_parser("up", help="start pdserve detached on a running Ray cluster and return")
-    _config_flags(up)
-    up.add_argument("--grpc-port", type=int, default=None)
-    up.add_argument("--http-port", type=int, default=None)
-
-    down = sub.add_parser("down", help="drain and remove the pdserve deployment from the Ray cluster")
-    down.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
-    down.add_argument("--grace", type=float, default=SHUTDOWN_GRACE_S, help="seconds requests in flight get to finish")
-
-    status = sub.add_parser("status", help="router, pools and workers with health and load")
-    status.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
-    status.add_argument("--json", action="store_true")
-
-    scale = sub.add_parser("scale", help="resize pools: pdserve scale prefill=N decode=M")
-    scale.add_argument("pools", nargs="+", metavar="ROLE=N")
-    scale.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
-    scale.add_argument("--json", action="store_true")
-
-
-def _config_flags(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-c", "--config", default=None, help="YAML config (default: deploy/configs/local.yaml)")
-    parser.add_argument("--address", default=None, help="join this Ray cluster (default: serve starts its own; up uses auto)")
-    parser.add_argument("--bind-host", default=None,
-                        help="host the servers bind to (default: 127.0.0.1 on an embedded Ray, else each node's IP)")
-
-
-def run(args: argparse.Namespace) -> int:
-    commands = {"serve": serve, "up": up, "down": down, "status": status, "scale": scale}
-    return commands[args.command](args)
+def run(args: argparse.Namespace, config: PdserveConfig | None) -> int:
+    """`config`: the validated config of `serve` and `up` (None for the other commands)."""
+    if args.command == "serve":
+        return serve(args, config)
+    if args.command == "up":
+        return up(args, config)
+    return {"down": down, "status": status, "scale": scale}[args.command](args)
 
 
 # ---- serve ------------------------------------------------------------------------------------
@@ -90,23 +66,18 @@ class _Signals:
         self.event.set()
 
 
-def serve(args: argparse.Namespace) -> int:
-    config = _load(args)
-    if config is None:
-        return 2
+def serve(args: argparse.Namespace, config: PdserveConfig) -> int:
     signals = _Signals()
     signals.install()
-    import ray
-
     embedded = args.address is None
     try:
         if embedded:
             num_cpus = args.num_cpus or logical_cpus(config)
             ray.init(address="local", num_cpus=num_cpus, resources=custom_resources(config), include_dashboard=False,
-                     namespace=_ns(), logging_level=logging.WARNING, log_to_driver=True)
+                     namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=True)
         else:
             _token_auth_if_available()
-            ray.init(address=args.address, namespace=_ns(), logging_level=logging.WARNING, log_to_driver=True)
+            ray.init(address=args.address, namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=True)
     except Exception as exc:  # noqa: BLE001 - report any failure to start or join Ray as one line
         print(f"pdserve: cannot {'start' if embedded else 'join'} Ray: {exc}", file=sys.stderr)
         return 1
@@ -118,11 +89,6 @@ def serve(args: argparse.Namespace) -> int:
 
 
 def _serve_foreground(config: PdserveConfig, args: argparse.Namespace, embedded: bool, signals: _Signals) -> int:
-    import ray
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    from deploy.controller import DeployOptions
-
     bind = args.bind_host or ("127.0.0.1" if embedded else None)
     controller = _create_controller(config, DeployOptions(bind_host=bind, log_level=args.log_level), detached=False)
     if controller is None:
@@ -185,40 +151,15 @@ def _ray_died() -> int:
 
 
 def _print_ready(endpoints: dict) -> None:
-    import ray
-
     ray_address = ray.get_runtime_context().gcs_address
     event = {"event": "ready", "role": "pdserve", "pid": os.getpid(), "address": endpoints["grpc"],
-             **endpoints, "ray_address": ray_address, "namespace": _ns()}
+             **endpoints, "ray_address": ray_address, "namespace": NAMESPACE}
     print(json.dumps(event), flush=True)
     print(f"pdserve ready: grpc={endpoints['grpc']} http={endpoints['http']} ray={ray_address}", flush=True)
 
 
-def logical_cpus(config: PdserveConfig) -> int:
-    """CPUs the embedded Ray declares: enough for the router and every pool at max_replicas."""
-    pools = config.pools
-    needed = config.router.num_cpus + sum(p.max_replicas * p.num_cpus for p in (pools.prefill, pools.decode))
-    return max(os.cpu_count() or 1, math.ceil(needed))
-
-
-def custom_resources(config: PdserveConfig) -> dict[str, float]:
-    """Custom Ray resources the embedded (single) node declares: all that the config can ask for."""
-    total: dict[str, float] = dict(config.router.resources)
-    for pool in (config.pools.prefill, config.pools.decode):
-        for name, amount in pool.resources.items():
-            total[name] = total.get(name, 0.0) + pool.max_replicas * amount
-    return total
-
-
 # ---- up / down -----------------------------------------------------------------------------------
-def up(args: argparse.Namespace) -> int:
-    config = _load(args)
-    if config is None:
-        return 2
-    import ray
-
-    from deploy.controller import DeployOptions
-
+def up(args: argparse.Namespace, config: PdserveConfig) -> int:
     if not _connect(args.address):
         return 1
     controller = _create_controller(config, DeployOptions(bind_host=args.bind_host, log_level=args.log_level, detached=True),
@@ -237,8 +178,6 @@ def up(args: argparse.Namespace) -> int:
 
 
 def down(args: argparse.Namespace) -> int:
-    import ray
-
     if not _connect(args.address):
         return 1
     controller = _get_controller()
@@ -254,12 +193,9 @@ def down(args: argparse.Namespace) -> int:
 
 def _remove_leftovers() -> None:
     """Detached actors and placement groups of a controller that died without cleaning up."""
-    import ray
-    from ray.util.placement_group import get_placement_group, remove_placement_group
-
     for entry in ray.util.list_named_actors(all_namespaces=True):
-        if entry["namespace"] == _ns() and entry["name"].startswith("pdserve:"):
-            ray.kill(ray.get_actor(entry["name"], namespace=_ns()), no_restart=True)
+        if entry["namespace"] == NAMESPACE and entry["name"].startswith("pdserve:"):
+            ray.kill(ray.get_actor(entry["name"], namespace=NAMESPACE), no_restart=True)
     for info in ray.util.placement_group_table().values():
         if info.get("name", "").startswith("pdserve:") and info.get("state") != "REMOVED":
             remove_placement_group(get_placement_group(info["name"]))
@@ -267,8 +203,6 @@ def _remove_leftovers() -> None:
 
 # ---- status / scale ------------------------------------------------------------------------------
 def status(args: argparse.Namespace) -> int:
-    import ray
-
     if not _connect(args.address):
         return 1
     controller = _get_controller()
@@ -281,8 +215,6 @@ def status(args: argparse.Namespace) -> int:
 
 
 def scale(args: argparse.Namespace) -> int:
-    import ray
-
     try:
         targets = parse_scale_targets(args.pools)
     except ValueError as exc:
@@ -315,58 +247,7 @@ def scale(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-def parse_scale_targets(specs: list[str]) -> dict[str, int]:
-    targets: dict[str, int] = {}
-    for spec in specs:
-        role, sep, value = spec.partition("=")
-        if not sep or role not in ("prefill", "decode"):
-            raise ValueError(f"{spec!r}: expected prefill=N or decode=N")
-        try:
-            n = int(value)
-        except ValueError:
-            raise ValueError(f"{spec!r}: N must be an integer") from None
-        if n < 0:
-            raise ValueError(f"{spec!r}: N must be >= 0")
-        targets[role] = n
-    return targets
-
-
-def format_status(report: dict) -> str:
-    r = report["router"]
-    lines = [(f"router   grpc={r.get('grpc')}  http={r.get('http')}  {r.get('health')}  "
-              f"in_flight={r.get('in_flight_requests', '?')}")]
-    for role, pool in report["pools"].items():
-        lines.append(f"{role:<8} {pool['replicas']} worker(s)  [min {pool['min_replicas']}, max {pool['max_replicas']}]")
-        for w in pool["workers"]:
-            lines.append(f"  {w['id']:<12} {w['address'] or '-':<22} {w['health']:<10} in_flight={w['in_flight']} "
-                         f"queued={w['queued_requests']} ({w['queued_prompt_tokens']} tok) running={w['running_requests']} "
-                         f"kv={100 * w['kv_usage']:.0f}%")
-    scaler = report.get("autoscaler", {})
-    lines.append(f"autoscaler {'on' if scaler.get('enabled') else 'off'}")
-    for event in report.get("events", [])[-5:]:
-        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
-        lines.append(f"  {when} {event['pool']}: {event.get('from', '?')} -> {event.get('to', '?')} ({event['reason']})")
-    return "\n".join(lines)
-
-
 # ---- helpers ---------------------------------------------------------------------------------
-def _ns() -> str:
-    from deploy.controller import NAMESPACE
-
-    return NAMESPACE
-
-
-def _load(args: argparse.Namespace) -> PdserveConfig | None:
-    """The validated config with CLI port overrides, or None after printing the bad field."""
-    from deploy.config import ConfigError, load_config
-
-    try:
-        return load_config(args.config).with_router_ports(getattr(args, "grpc_port", None), getattr(args, "http_port", None))
-    except ConfigError as exc:
-        print(f"pdserve: invalid config: {exc}", file=sys.stderr)
-        return None
-
-
 def _token_auth_if_available() -> None:
     """Ray turns token authentication on by itself only for `address=auto`; with an explicit
     address do the same when this user has a token (clusters started here require it)."""
@@ -384,11 +265,9 @@ def _token_auth_if_available() -> None:
 
 
 def _connect(address: str | None) -> bool:
-    import ray
-
     _token_auth_if_available()
     try:
-        ray.init(address=address or "auto", namespace=_ns(), logging_level=logging.WARNING, log_to_driver=False)
+        ray.init(address=address or "auto", namespace=NAMESPACE, logging_level=logging.WARNING, log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError) as exc:
         print(f"pdserve: no Ray cluster at {address or 'auto'} ({exc}); start one with `pdserve serve` "
               "or `ray start --head`", file=sys.stderr)
@@ -397,21 +276,13 @@ def _connect(address: str | None) -> bool:
 
 
 def _get_controller() -> Any:
-    import ray
-
-    from deploy.controller import CONTROLLER_NAME
-
     try:
-        return ray.get_actor(CONTROLLER_NAME, namespace=_ns())
+        return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
         return None
 
 
 def _create_controller(config: PdserveConfig, options, detached: bool) -> Any:
-    import ray
-
-    from deploy.controller import CONTROLLER_NAME, Controller
-
     if _get_controller() is not None:
         print("pdserve: already running on this Ray cluster (see `pdserve status`, stop it with `pdserve down`)",
               file=sys.stderr)
@@ -420,7 +291,7 @@ def _create_controller(config: PdserveConfig, options, detached: bool) -> Any:
 
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # where pdserve runs, not on any node
     return ray.remote(Controller).options(
-        name=CONTROLLER_NAME, namespace=_ns(), num_cpus=0, lifetime="detached" if detached else None, max_restarts=0,
+        name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, lifetime="detached" if detached else None, max_restarts=0,
         scheduling_strategy=here,
     ).remote(config, options)
 

@@ -12,7 +12,7 @@ _EXPORTS = {
     "Engine": "engine.engine",
     "EngineStats": "engine.engine",
     "RequestOutput": "engine.engine",
-    "EngineConfig": "engine.config",
+    "EngineConfig": "common.engine_config",
     "EngineError": "engine.errors",
     "InvalidRequestError": "engine.errors",
     "ModelLoadError": "engine.errors",

@@ -12,6 +12,8 @@ calls `paged_attention` with post-RoPE q/k/v for all scheduled tokens of all req
   4. `on_layer_written` (if set) is told the layer is complete, so a KV sender can ship it.
 Everything that depends only on the batch (groups, block tables, masks) is built once per step by the
 ModelRunner; per layer a decode group costs two `index_select`s and one SDPA call. No per-token Python.
+That is the CPU path. When `paged` is a `BatchedMetadata` (the GPU path), step 2-3 are
+engine.attention_batched's two calls for the whole batch instead.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
+from engine import attention_batched
+from engine.attention_batched import BatchedMetadata
 from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
@@ -90,7 +93,7 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    paged: AttentionMetadata | None = None,
+    paged: AttentionMetadata | BatchedMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if paged is None:
@@ -102,6 +105,11 @@ def paged_attention(
     _write_kv(paged.kv_cache, layer, paged.slot_mapping, new_k, new_v)
 
     q = query[0].transpose(0, 1)  # [T, H, D] view
+    if isinstance(paged, BatchedMetadata):
+        out = attention_batched.attend(q, paged, layer, scaling)
+        if paged.on_layer_written is not None:
+            paged.on_layer_written(layer)
+        return out.unsqueeze(0), None
     out = query.new_empty(q.shape)
     for group in paged.decode_groups:
         _decode_attention(q, out, group, paged, layer, scaling)
@@ -180,12 +188,9 @@ def _prefill_attention(
     return out[0].transpose(0, 1)
 
 
-def _no_mask(*args, **kwargs) -> None:
-    """The packed batch carries its own structure; transformers must not build a dense mask."""
-    return None
-
-
 def register() -> str:
+    """Register the attention function. No mask function: for an implementation it has no mask function
+    for, transformers skips mask preparation entirely, including its packed-sequence detection, which
+    would read a device value (a host sync every step, and no CUDA graph capture)."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
     return ATTN_IMPLEMENTATION

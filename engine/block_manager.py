@@ -101,6 +101,8 @@ class BlockManager:
             return
         hashes = self._seq_hashes.setdefault(seq.request_id, [])
         full = seq.num_computed_tokens // self.block_size
+        if len(hashes) >= full:
+            return  # most decode steps: no block completed (and token_ids would copy the whole sequence)
         tokens = seq.token_ids
         while len(hashes) < full:
             i = len(hashes)

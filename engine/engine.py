@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.engine_config import EngineConfig
 from engine.block_manager import BlockManager
-from engine.config import EngineConfig
 from engine.errors import InvalidRequestError
 from engine.kv_cache import KVCache, KVLayout
 from engine.kv_sink import KVLayerSink
@@ -79,14 +79,17 @@ class Engine:
             block_size=config.block_size,
             dtype=self.loaded.dtype,
         )
-        num_blocks = config.num_kv_blocks or KVCache.blocks_for_budget(self.layout, config.kv_cache_memory_mb << 20)
+        num_blocks = KVCache.blocks_for_config(self.layout, config)
         self.kv_cache = KVCache(self.layout, num_blocks, config.device)
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill),
             self.blocks,
         )
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, config.device)
+        self.runner = ModelRunner(
+            self.loaded.model, self.kv_cache, config.device,
+            max_model_len=self.max_model_len, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
+        )
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self._requests: dict[str, Sequence] = {}

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from common.engine_config import EngineConfig
+
 
 @dataclass(frozen=True)
 class KVLayout:
@@ -34,20 +36,36 @@ class KVLayout:
 
 
 class KVCache:
-    """Key and value tensors `[num_blocks, block_size, kv_heads, head_dim]` for every layer."""
+    """Key and value tensors `[num_blocks + 1, block_size, kv_heads, head_dim]` for every layer.
+
+    Block `scratch_block` (= num_blocks, past the usable ones, never handed out) is where padding rows
+    of a fixed-size batch (CUDA graphs) write and read, so they never touch a request's KV."""
 
     def __init__(self, layout: KVLayout, num_blocks: int, device: torch.device | str = "cpu"):
         if num_blocks < 1:
             raise ValueError("num_blocks must be >= 1")
         self.layout = layout
         self.num_blocks = num_blocks
-        shape = (num_blocks, layout.block_size, layout.num_kv_heads, layout.head_dim)
+        self.scratch_block = num_blocks
+        shape = (num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
         self.key_caches = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
         self.value_caches = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
         return budget_bytes // layout.bytes_per_block
+
+    @staticmethod
+    def blocks_for_config(layout: KVLayout, config: EngineConfig) -> int:
+        """`num_kv_blocks`, else on CUDA a share of the device's free memory (`kv_cache_memory_fraction`,
+        measured now: call after the weights are loaded), else `kv_cache_memory_mb`."""
+        if config.num_kv_blocks:
+            return config.num_kv_blocks
+        budget = config.kv_cache_memory_mb << 20
+        if config.kv_cache_memory_fraction is not None and torch.device(config.device).type == "cuda":
+            free, _ = torch.cuda.mem_get_info(torch.device(config.device))
+            budget = int(free * config.kv_cache_memory_fraction)
+        return max(1, KVCache.blocks_for_budget(layout, budget))
 
     @property
     def nbytes(self) -> int:

@@ -7,19 +7,30 @@ masks, prefill chunks with theirs: everything attention needs, once for all laye
 model once on the whole packed row with the paged attention function, and returns logits only for
 the requests whose last known token was computed. Batch bookkeeping is plain Python on ints, turned
 into a few tensors at the end; the gather workspace is kept across steps.
+
+On CUDA (or with `batched=True`, how the CPU tests run it) the step goes through
+engine.attention_batched instead: decodes first in arrival order, attention in at most two calls per
+layer, and a pure decode step (no prefill, no layer hook) whose batch fits `cuda_graph_max_batch`
+is padded to a bucket and replayed from a CUDA graph (engine.cuda_graphs) when the triton decode
+kernel is available. `set_decode_kernel` switches kernels (the device check measures both).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
 
-from engine import attention
+from engine import attention, paged_decode
 from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, Workspace
+from engine.attention_batched import BatchedMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
+from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
 
 DECODE_GROUP_KEYS = 2048
 """Most padded key positions in one decode group. Small enough that a group's gathered K and V stay
@@ -42,7 +53,16 @@ def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_cache: KVCache,
+        device: torch.device | str = "cpu",
+        *,
+        max_model_len: int | None = None,
+        cuda_graph_max_batch: int = 0,
+        batched: bool | None = None,
+    ):
         self.model = model
         self.kv_cache = kv_cache
         self.device = torch.device(device)
@@ -50,7 +70,28 @@ class ModelRunner:
         self._block_numel = self.block_size * kv_cache.layout.num_kv_heads * kv_cache.layout.head_dim
         dtype = kv_cache.layout.dtype
         self.workspace = Workspace(torch.empty(0, dtype=dtype, device=self.device), torch.empty(0, dtype=dtype, device=self.device))
+        self.batched = self.device.type == "cuda" if batched is None else batched
+        self.max_blocks_per_seq = _cdiv(max_model_len or model.config.max_position_embeddings, self.block_size)
+        self.cuda_graph_max_batch = cuda_graph_max_batch if self.device.type == "cuda" else 0
+        self.graphs: DecodeGraphs | None = None
+        self.fallback_reason: str | None = None
+        """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
+        try:
+            self.set_decode_kernel(paged_decode.default_kernel(self.device))
+        except Exception as exc:  # a kernel that does not compile or a graph that does not capture here
+            self.fallback_reason = f"{type(exc).__name__}: {exc}"
+            log.warning("decode kernel %r / CUDA graphs unavailable, decoding eagerly with the torch kernel: %s", self.decode_kernel, exc)
+            self.set_decode_kernel("torch")
+
+    def set_decode_kernel(self, name: str) -> None:
+        """Use paged_decode.KERNELS[name] for batched decodes; (re)captures the CUDA graphs when they apply."""
+        self.decode_kernel = name
+        self.graphs = None
+        if self.cuda_graph_max_batch and name == "triton":
+            graphs = DecodeGraphs(self.model, self.kv_cache, self.cuda_graph_max_batch, self.max_blocks_per_seq, paged_decode.KERNELS[name])
+            graphs.capture()
+            self.graphs = graphs
 
     @torch.inference_mode()
     def execute(
@@ -58,6 +99,8 @@ class ModelRunner:
     ) -> tuple[list[ScheduledSeq], torch.Tensor]:
         """Returns the batch in packed order and the logits `[num_sampling, vocab]` of its sampling members
         (in the same relative order)."""
+        if self.batched:
+            return self._execute_batched(batch, on_layer_written)
         decodes = sorted((s for s in batch if s.num_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
         ordered = decodes + [s for s in batch if s.num_tokens > 1]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
@@ -157,3 +200,50 @@ class ModelRunner:
             like = self.workspace.key
             self.workspace.key = torch.empty(need, dtype=like.dtype, device=like.device)
             self.workspace.value = torch.empty(need, dtype=like.dtype, device=like.device)
+
+    # ---- batched path (CUDA) -------------------------------------------------------------------
+    def _execute_batched(
+        self, batch: list[ScheduledSeq], on_layer_written: Callable[[int], None] | None
+    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
+        decodes = [s for s in batch if s.num_tokens == 1]
+        ordered = decodes + [s for s in batch if s.num_tokens > 1]
+        sampling = [i for i, s in enumerate(ordered) if s.samples]
+        graphs = self.graphs
+        if graphs is not None and len(decodes) == len(ordered) and on_layer_written is None and len(decodes) <= graphs.max_batch:
+            logits = graphs.run(self._decode_rows(decodes, graphs.bucket(len(decodes)), graphs.width))
+            rows = slice(0, len(decodes)) if len(sampling) == len(decodes) else torch.tensor(sampling, device=self.device)
+            return ordered, logits[rows]
+        input_ids, positions, slots, sampling_rows = self._pack(ordered)
+        decode = None
+        if decodes:
+            width = max(_cdiv(s.seq.num_computed_tokens + 1, self.block_size) for s in decodes)
+            rows = self._decode_rows(decodes, len(decodes), width)
+            decode = DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), paged_decode.KERNELS[self.decode_kernel])
+        chunks = [(s.seq.block_ids, s.seq.num_computed_tokens, s.num_tokens) for s in ordered[len(decodes) :]]
+        meta = BatchedMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=slots,
+            num_decode_tokens=len(decodes),
+            decode=decode,
+            prefill=prefill_batch(chunks, self.block_size, self.device) if chunks else None,
+            on_layer_written=on_layer_written,
+        )
+        out = self.model(
+            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, logits_to_keep=sampling_rows, paged=meta
+        )
+        return ordered, out.logits[0]
+
+    def _decode_rows(self, decodes: list[ScheduledSeq], rows: int, width: int) -> DecodeRows:
+        seqs = [s.seq for s in decodes]
+        return decode_rows(
+            [s.block_ids for s in seqs],
+            [s.num_computed_tokens for s in seqs],
+            [_tokens(s, s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs],
+            rows,
+            width,
+            self.block_size,
+            self.kv_cache.scratch_block,
+        )
+
+    def _to_device(self, array) -> torch.Tensor:
+        return torch.from_numpy(array).to(self.device, non_blocking=True)

@@ -32,15 +32,16 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         logits = logits.float()
-        tokens = torch.argmax(logits, dim=-1)
-        for row, seq in enumerate(seqs):
-            if not seq.params.greedy:
-                tokens[row] = self._draw(logits[row], seq)
-        token_list = tokens.tolist()
+        token_list = torch.argmax(logits, dim=-1).tolist()  # the step's one wait for the device
+        drawn = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+        if drawn:  # drawn on the host with the request's own CPU generator, whatever the device
+            host = logits[drawn].cpu()
+            for j, row in enumerate(drawn):
+                token_list[row] = self._draw(host[j], seqs[row])
         samples = [Sample(token_id=t) for t in token_list]
         want_logprobs = [i for i, s in enumerate(seqs) if s.params.logprobs is not None]
         if want_logprobs:
-            logprobs = torch.log_softmax(logits[want_logprobs], dim=-1)
+            logprobs = torch.log_softmax(logits[want_logprobs], dim=-1).cpu()
             for j, row in enumerate(want_logprobs):
                 samples[row].logprob = logprobs[j, token_list[row]].item()
                 k = seqs[row].params.logprobs

@@ -44,53 +44,15 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from enum import StrEnum
 
 import numpy as np
 
+from common.faultspec import ENV_VAR, Fault, FaultKind, parse_faults
+
 log = logging.getLogger(__name__)
 
-ENV_VAR = "PDSERVE_KV_FAULTS"
 POINT_ENV_VAR = "PDSERVE_TEST_FAULT_POINT"
 LEGACY_PAUSE_ENV_VAR = "PDSERVE_TEST_PAUSE_AFTER_LAYER"  # = prefill.after_layer:<N>:*:stall
-
-
-class FaultKind(StrEnum):
-    DELAY = "delay"
-    DROP = "drop"
-    TRUNCATE = "truncate"
-    CORRUPT = "corrupt"
-    CUT = "cut"
-
-
-@dataclass(frozen=True)
-class Fault:
-    """One configured fault: `kind` hits layer `layer` of transfers whose id matches `pattern`."""
-
-    kind: FaultKind
-    pattern: str
-    layer: int
-    delay_ms: int = 0
-
-    @classmethod
-    def parse(cls, entry: str) -> Fault:
-        kind, _, rest = entry.strip().partition(":")
-        try:
-            fault_kind = FaultKind(kind)
-        except ValueError:
-            raise ValueError(f"bad {ENV_VAR} entry {entry!r}: kind must be one of {', '.join(FaultKind)}") from None
-        delay = ""
-        if fault_kind == FaultKind.DELAY:
-            rest, _, delay = rest.rpartition(":")
-        pattern, _, layer = rest.rpartition(":")
-        if not pattern or not layer.isdigit() or (fault_kind == FaultKind.DELAY and not delay.isdigit()):
-            usage = "delay:<pattern>:<layer>:<ms>" if fault_kind == FaultKind.DELAY else f"{kind}:<pattern>:<layer>"
-            raise ValueError(f"bad {ENV_VAR} entry {entry!r}; expected {usage}")
-        return cls(fault_kind, pattern, int(layer), int(delay or 0))
-
-    def hits(self, layer: int) -> bool:
-        """A drop loses its layer and every later one; the other kinds hit exactly one layer."""
-        return layer >= self.layer if self.kind == FaultKind.DROP else layer == self.layer
 
 
 @dataclass(frozen=True)
@@ -127,7 +89,7 @@ class FaultInjector:
         entries = [e for e in spec.split(",") if e.strip()]
         if not entries:
             return None
-        injector = cls(faults=[Fault.parse(e) for e in entries])
+        injector = cls(faults=parse_faults(spec))
         log.warning("KV fault injection enabled: %s", ", ".join(e.strip() for e in entries))
         return injector
 

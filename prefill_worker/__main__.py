@@ -2,6 +2,6 @@
 
 import sys
 
-from deploy.worker_main import main
+from prefill_worker.main import main
 
-sys.exit(main("prefill"))
+sys.exit(main())

@@ -17,7 +17,6 @@ A `FaultPoint` (tests only, given by the worker's main) may stall the process at
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 import uuid
@@ -25,13 +24,13 @@ import uuid
 import grpc
 import torch
 
-from decode_worker.service import worker_stats
+from common.serving import CallGate
 from engine.async_engine import AsyncEngine
 from engine.engine import RequestOutput
 from engine.errors import InvalidRequestError
 from kvtransfer import KVEndpoint, KVSender, KVTransferError, OutgoingTransfer, TransferHeader
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, sampling_from_proto
+from proto.convert import chunk_from_output, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -75,21 +74,15 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.streamer = streamer
         self.ack_timeout_s = ack_timeout_s
         self.fault_point = fault_point
-        self.draining = False
-        self.in_flight = 0
+        self.gate = CallGate("prefill")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
-        if self.draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "prefill worker is draining")
         request_id = request.request_id or uuid.uuid4().hex
-        try:
-            params = sampling_from_proto(request.sampling)
-        except InvalidRequestError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        params = await sampling_or_abort(request.sampling, context)
         dest = request.kv_destination if request.HasField("kv_destination") else None
         if dest is not None and dest.model_fingerprint and dest.model_fingerprint != self.fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "kv_destination.model_fingerprint: decode worker runs a different model or KV layout")
-        self.in_flight += 1
+        await self.gate.enter(context)
         received = time.monotonic()
         transfer = None
         try:
@@ -119,7 +112,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             log.warning("request %s: KV transfer failed: %s", request_id, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed ({exc.code.name}): {exc}")
         finally:
-            self.in_flight -= 1
+            self.gate.leave()
             if self.streamer is not None:
                 self.streamer.forget(request_id)
             if transfer is not None and not transfer.ack.done():
@@ -144,12 +137,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         transfer.finish(first_out.new_token_ids[0], logprob, first_out.top_logprobs[0] if first_out.top_logprobs else None)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.draining, kv_bytes_sent=self.sender.stats.bytes_sent)
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, kv_bytes_sent=self.sender.stats.bytes_sent)
 
     async def drain(self, grace_s: float) -> None:
-        self.draining = True
-        while self.in_flight:
-            await asyncio.sleep(0.05)
+        await self.gate.drain()
 
 
 def _first_token(token_id: int, out) -> pb.FirstToken:

@@ -1,18 +1,25 @@
 """Conversions between `pdserve.v1` messages and the engine's in-process dataclasses.
 
 One place for the mapping, used by the router and both workers, so a field is validated and
-defaulted the same way on every hop.
+defaulted the same way on every hop. It imports only the engine's torch-free modules (sampling,
+errors, sequence): the router and `pdserve generate --router` use it without loading torch.
 """
 
 from __future__ import annotations
 
+import time
+from typing import TYPE_CHECKING
+
 import grpc
 
-from engine.engine import RequestOutput
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
 from engine.sequence import FinishReason
 from proto.pdserve.v1 import pdserve_pb2 as pb
+
+if TYPE_CHECKING:  # engine.engine and engine.async_engine load torch; the router must not
+    from engine.async_engine import AsyncEngine
+    from engine.engine import RequestOutput
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -41,6 +48,14 @@ def sampling_from_proto(msg: pb.SamplingParams, field_prefix: str = "sampling") 
     except InvalidRequestError as exc:
         raise InvalidRequestError(f"{field_prefix}.{exc.field}", exc.message) from None
     return params
+
+
+async def sampling_or_abort(msg: pb.SamplingParams, context: grpc.aio.ServicerContext) -> SamplingParams:
+    """`sampling_from_proto` for a worker call: a bad field ends the call INVALID_ARGUMENT, naming it."""
+    try:
+        return sampling_from_proto(msg)
+    except InvalidRequestError as exc:
+        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
 
 def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> pb.SamplingParams:
@@ -75,5 +90,20 @@ def chunk_from_output(out: RequestOutput, skip: int = 0) -> pb.TokenChunk:
     return chunk
 
 
-async def abort_invalid(context: grpc.aio.ServicerContext, exc: InvalidRequestError) -> None:
-    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining: bool, **extra) -> pb.WorkerStats:
+    """A worker's `Stats` answer (and heartbeat payload) from its engine's stats."""
+    s = await engine.stats()
+    return pb.WorkerStats(
+        worker_id=worker_id,
+        role=role,
+        queued_requests=s.num_waiting + s.num_waiting_for_kv,
+        queued_prompt_tokens=s.queued_prompt_tokens,
+        running_requests=s.num_running,
+        free_kv_blocks=s.free_blocks,
+        total_kv_blocks=s.total_blocks,
+        prefix_cache_hit_tokens=s.prefix_hit_tokens,
+        prefix_cache_queried_tokens=s.prefix_query_tokens,
+        draining=draining,
+        timestamp_s=time.time(),
+        **extra,
+    )

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import grpc
 
-from deploy.security import sync_channel
+from common.security import sync_channel
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 from proto.convert import sampling_to_proto

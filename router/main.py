@@ -16,10 +16,12 @@ import os
 import socket
 
 import uvicorn
+from transformers import AutoConfig, AutoTokenizer
 
-from deploy.config import PdserveConfig, load_config
-from deploy.security import Security
-from deploy.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from common.config import PdserveConfig, load_config
+from common.security import Security
+from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving, wait_idle
+from engine.model_loader import resolve_model_path
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.grpc_api import add_router_to_server
 from router.http_app import build_app
@@ -47,10 +49,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def load_tokenizer_and_context(config: PdserveConfig):
-    from transformers import AutoConfig, AutoTokenizer
-
-    from engine.model_loader import resolve_model_path
-
     path = resolve_model_path(config.engine.model)
     if path.endswith(".gguf"):
         directory, kwargs = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
@@ -75,7 +73,8 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     tokenizer, max_len = load_tokenizer_and_context(config)
     metrics = RouterMetrics()
     security = Security.from_config(config.security)
-    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s, security=security)
+    pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s, security=security,
+                      block_size=config.engine.block_size)
     for i, address in enumerate(args.prefill):
         pool.add(f"prefill-static-{i}", "prefill", address, static=True)
     for i, address in enumerate(args.decode):
@@ -115,8 +114,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     async def drain(grace_s: float) -> None:
         router.draining = True
         watcher.cancel()
-        while router.admission.requests:
-            await asyncio.sleep(0.05)
+        await wait_idle(lambda: router.admission.requests)
 
     try:
         await serve_until_signalled(server, health_servicer, SERVICES, drain, stop=control.stop if control is not None else None)

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from deploy.config import RouterConfig
+from common.config import RouterConfig
 from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded

@@ -7,19 +7,23 @@
   an approximate, bounded LRU of block hashes per prefill worker), traded against load; decode goes
   to the worker with the most free KV blocks.
 Under least_loaded and prefix_aware the decode choice is free-KV aware.
+Policies are registered by name in common/plugins.py (which the config validates against) and
+built by `make_policy(name, block_size)`; block_size is the engine's (config `engine.block_size`).
 """
 
 from __future__ import annotations
 
 import itertools
 from collections import OrderedDict
+from typing import TYPE_CHECKING
 
-from router.pool import Worker
+from common.plugins import ROUTING_POLICIES, resolve
 
-BLOCK_SIZE = 16
+if TYPE_CHECKING:  # router.pool builds its policy from here
+    from router.pool import Worker
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> list[int]:
+def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
     """Chained hashes of the prompt's full blocks (the same chaining as the engine's prefix cache)."""
     hashes, parent = [], None
     for start in range(0, len(token_ids) - block_size + 1, block_size):
@@ -29,7 +33,8 @@ def prefix_block_hashes(token_ids: list[int], block_size: int = BLOCK_SIZE) -> l
 
 
 class RoundRobin:
-    def __init__(self) -> None:
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
         self._counters: dict[str, itertools.count] = {}
 
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
@@ -47,8 +52,8 @@ class LeastLoaded(RoundRobin):
 class PrefixAware(LeastLoaded):
     """Approximate prefix-cache-aware prefill routing (no round trip to the workers)."""
 
-    def __init__(self, capacity_blocks: int = 65536, load_weight: float = 4.0) -> None:
-        super().__init__()
+    def __init__(self, block_size: int, capacity_blocks: int = 65536, load_weight: float = 4.0) -> None:
+        super().__init__(block_size)
         self.capacity_blocks = capacity_blocks
         self.load_weight = load_weight
         self._seen: dict[str, OrderedDict[int, None]] = {}
@@ -56,7 +61,7 @@ class PrefixAware(LeastLoaded):
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
         if role == "decode":
             return most_free_kv(candidates)
-        hashes = prefix_block_hashes(prompt_ids)
+        hashes = prefix_block_hashes(prompt_ids, self.block_size)
         best = max(candidates, key=lambda w: (self._overlap(w, hashes) - self.load_weight * w.load, -w.routed))
         self._remember(best, hashes)
         return best
@@ -90,8 +95,6 @@ def most_free_kv(candidates: list[Worker]) -> Worker:
     return max(candidates, key=lambda w: (free(w), -w.routed))
 
 
-POLICIES = {"round_robin": RoundRobin, "least_loaded": LeastLoaded, "prefix_aware": PrefixAware}
-
-
-def make_policy(name: str):
-    return POLICIES[name]()
+def make_policy(name: str, block_size: int) -> RoundRobin:
+    """The policy registered under `name` (common/plugins.py ROUTING_POLICIES)."""
+    return resolve(ROUTING_POLICIES, name, "routing policy")(block_size)

@@ -16,13 +16,13 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from deploy.security import Security
+from common.engine_config import EngineConfig
+from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.policy import make_policy
 
 log = logging.getLogger(__name__)
-
-ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
 
 
 @dataclass
@@ -56,12 +56,11 @@ class NoWorkerAvailable(Exception):
 
 class WorkerPool:
     def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0, close_grace_s: float = 300.0,
-                 security: Security | None = None):
-        from router.policy import make_policy
-
+                 security: Security | None = None, block_size: int = EngineConfig.block_size):
         self.security = security or Security()
         """Builds the channels to workers (TLS, shared secret on every call)."""
-        self.policy = make_policy(policy)
+        self.policy = make_policy(policy, block_size)
+        """Picks workers; `block_size` (the engine's) shapes prefix_aware's prompt hashes."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.close_grace_s = close_grace_s
         self.workers: dict[str, Worker] = {}

@@ -11,7 +11,7 @@ import hmac
 import os
 from dataclasses import dataclass, field
 
-from deploy.config import PdserveConfig, RouterConfig
+from common.config import PdserveConfig, RouterConfig
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,5 @@
-"""Transports that move KV frames and payloads: `ucx`, `tcp` and `local` (see `base`)."""
+"""Transports that move KV frames and payloads: `ucx`, `tcp` and `local` (see `base`), registered by
+name in common/plugins.py KV_TRANSPORTS and built by `get_transport(name)`."""
 
 from kvtransfer.transport.base import (
     Channel,

@@ -1,4 +1,4 @@
-"""The one small interface every KV transport implements, and the registry that picks one.
+"""The one small interface every KV transport implements, and `get_transport` that picks one by name.
 
 Lifecycle: a receiver calls `Transport.listen(host, port, on_channel)`; every accepted
 connection becomes a `Channel` handed to `on_channel`, which reads frames until the channel
@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from common.plugins import KV_TRANSPORTS, resolve
 from kvtransfer.wire import Frame, Hello
 
 # Anything exposing the buffer protocol (numpy array, memoryview, bytes).
@@ -103,22 +104,11 @@ class Transport(ABC):
 
 
 def get_transport(name: str, **options: Any) -> Transport:
-    """Transport by name: "ucx" (default in deployments), "tcp" or "local" (in-process tests).
+    """Transport by name, as registered in common/plugins.py: "ucx" (default in deployments), "tcp"
+    or "local" (in-process tests). Only the chosen transport's module is imported.
 
     `options` go to the transport's constructor (e.g. `progress_mode` for ucx)."""
-    if name == "tcp":
-        from kvtransfer.transport.tcp import TcpTransport
-
-        return TcpTransport(**options)
-    if name == "ucx":
-        from kvtransfer.transport.ucx import UcxTransport
-
-        return UcxTransport(**options)
-    if name == "local":
-        from kvtransfer.transport.local import LocalTransport
-
-        return LocalTransport(**options)
-    raise ValueError(f"unknown KV transport {name!r}; expected 'ucx', 'tcp' or 'local'")
+    return resolve(KV_TRANSPORTS, name, "KV transport")(**options)
 
 
 async def wait_closed(channel: Channel, timeout: float) -> None:

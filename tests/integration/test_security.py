@@ -21,7 +21,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.security import Security, sync_channel
+from common.security import Security, sync_channel
 from engine.sampling import SamplingParams
 from kvtransfer import AuthenticationFailed, KVEndpoint, KVSender, TransferHeader
 from proto.convert import sampling_to_proto

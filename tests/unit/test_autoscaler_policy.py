@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from common.config import AutoscalerConfig, DecodeScalingConfig, PoolConfig, PrefillScalingConfig
 from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
-from deploy.config import AutoscalerConfig, DecodeScalingConfig, PoolConfig, PrefillScalingConfig
 
 POLICY = AutoscalerConfig(
     enabled=True, interval_s=1, upscale_cooldown_s=10, downscale_cooldown_s=30, downscale_ratio=0.5,

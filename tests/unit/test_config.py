@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deploy.config import ConfigError, config_from_dict, load_config
+from common.config import ConfigError, config_from_dict, load_config
 
 
 def test_default_config_loads():

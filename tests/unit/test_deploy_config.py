@@ -10,8 +10,8 @@ import sys
 import pytest
 import yaml
 
-from deploy.config import AutoscalerConfig, ConfigError, config_from_dict, load_config
-from deploy.launcher import custom_resources, logical_cpus, parse_scale_targets
+from common.config import AutoscalerConfig, ConfigError, config_from_dict, load_config
+from deploy.commands import custom_resources, logical_cpus, parse_scale_targets
 from tests.cluster import REPO
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from deploy.config import config_from_dict
-from engine.config import ConfigError
+from common.config import ConfigError, config_from_dict
 from kvtransfer import ChecksumMismatch, codec
 from tests.unit.test_kvtransfer_transfer import DST_BLOCKS, FP, LAYOUT, SRC_BLOCKS, N, filled_cache, header, rig  # noqa: F401 (rig: fixture)
 

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from deploy.config import config_from_dict
-from engine.config import ConfigError
+from common.config import config_from_dict
+from common.validation import ConfigError
 from engine.kv_cache import KVCache
 from kvtransfer import (
     ChecksumMismatch,

@@ -21,9 +21,10 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.config import ConfigError, SecurityConfig, config_from_dict
-from deploy.security import SECRET_ENV, Security, sync_channel
-from deploy.serving import create_server
+from common.config import ConfigError, SecurityConfig, config_from_dict
+from common.secrets import SECRET_ENV
+from common.security import Security, sync_channel
+from common.serving import create_server
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer import (
     AuthenticationFailed,
@@ -91,7 +92,7 @@ def tls_files(tmp_path_factory) -> TLSFiles:
 
 
 def test_defaults_bind_loopback_and_have_no_secret(monkeypatch):
-    from deploy.worker_main import parse_args
+    from common.worker import parse_args
 
     monkeypatch.delenv(SECRET_ENV, raising=False)
     config = config_from_dict({})

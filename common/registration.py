@@ -1,6 +1,6 @@
 """Worker side of the registry: register with the router, heartbeat with stats, re-register when
 the router forgets us (router restart), deregister on shutdown. Calls go over the cluster's
-internal channel (deploy/security.py: TLS and the shared secret when configured)."""
+internal channel (common/security.py: TLS and the shared secret when configured)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 
 import grpc
 
-from deploy.security import Security
+from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 

@@ -4,6 +4,7 @@
 JSON line on stdout (`{"event": "ready", ...}`: what tests and launchers wait for), and serves until
 SIGTERM/SIGINT. Draining then follows the house rule: health goes NOT_SERVING, the service stops
 admitting (`drain()` callback), requests in flight get `grace_s` to finish, then the server stops.
+Every drain (router, workers, their Ray actors) waits for its requests with `wait_idle`.
 
 A server hosted inside another process (a Ray actor, deploy/hosting.py) gets a `ServerControl`
 instead: its ready info and live objects are handed to the host, and the host stops it by setting
@@ -19,6 +20,7 @@ import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
@@ -26,7 +28,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from deploy.security import Security
+from common.security import Security
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +111,47 @@ async def serve_until_signalled(
     except TimeoutError:
         log.warning("drain grace period over; stopping with requests in flight")
     await server.stop(grace=1.0)
+
+
+async def wait_idle(in_flight: Callable[[], int], timeout_s: float | None = None, settle_s: float = 0.0,
+                    poll_s: float = 0.05) -> int:
+    """The second half of a drain, once admission is closed: wait until `in_flight()` is 0 and has
+    stayed 0 for `settle_s` (a request routed just before admission closed may still arrive), or
+    until `timeout_s` passed (None: no limit). Returns how many requests are still in flight."""
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    idle_since = None
+    while deadline is None or time.monotonic() < deadline:
+        now = time.monotonic()
+        if in_flight():
+            idle_since = None
+        elif idle_since is None:
+            idle_since = now
+        if idle_since is not None and now - idle_since >= settle_s:
+            break
+        await asyncio.sleep(poll_s)
+    return in_flight()
+
+
+class CallGate:
+    """Admission of one worker service's calls: `enter` refuses a call once draining (UNAVAILABLE)
+    and counts it in flight until `leave`; `drain` stops admitting and waits until none is left."""
+
+    def __init__(self, role: str):
+        self.role = role
+        self.draining = False
+        self.in_flight = 0
+
+    async def enter(self, context: grpc.aio.ServicerContext) -> None:
+        if self.draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.role} worker is draining")
+        self.in_flight += 1
+
+    def leave(self) -> None:
+        self.in_flight -= 1
+
+    async def drain(self) -> None:
+        self.draining = True
+        await wait_idle(lambda: self.in_flight)
 
 
 def configure_logging(level: str = "INFO") -> None:

@@ -9,20 +9,32 @@ re-reads the file. Field reference: docs/configuration.md.
 from __future__ import annotations
 
 import dataclasses
-import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from engine.config import ConfigError, EngineConfig
+from common.engine_config import EngineConfig
+from common.faultspec import parse_faults
+from common.plugins import KV_TRANSPORTS, ROUTING_POLICIES
+from common.secrets import MIN_SECRET_CHARS, SECRET_ENV, secret_source
+from common.validation import (
+    ConfigError,
+    custom_resources,
+    is_number,
+    non_negative_int,
+    one_of,
+    pem_file,
+    positive_float,
+    positive_int,
+    reject_unknown,
+)
 
-TRANSPORTS = ("ucx", "tcp", "local")
 WIRE_DTYPES = ("auto", "native", "int8", "fp8")  # kvtransfer/codec.py (not imported: config stays torch-free)
-ROUTING_POLICIES = ("round_robin", "least_loaded", "prefix_aware")
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
-DEFAULT_CONFIG = Path(__file__).parent / "configs" / "local.yaml"
+DEFAULT_CONFIG = Path(__file__).parent.parent / "deploy" / "configs" / "local.yaml"
+"""Shipped with the `deploy` package (package data), where the docs and scripts point."""
 
 
 @dataclass(frozen=True)
@@ -42,19 +54,14 @@ class KVTransferConfig:
     """With wire_dtype auto: compress KV to decode workers whose link rate measured from earlier transfers is below this."""
 
     def validate(self, prefix: str) -> None:
-        if self.transport not in TRANSPORTS:
-            raise ConfigError(f"{prefix}.transport", f"must be one of {', '.join(TRANSPORTS)}, got {self.transport!r}")
-        if self.wire_dtype not in WIRE_DTYPES:
-            raise ConfigError(f"{prefix}.wire_dtype", f"must be one of {', '.join(WIRE_DTYPES)}, got {self.wire_dtype!r}")
-        _positive_float(f"{prefix}.compress_below_gbps", self.compress_below_gbps)
-        _positive_float(f"{prefix}.timeout_s", self.timeout_s)
-        if self.faults:
-            from kvtransfer.faults import FaultInjector
-
-            try:
-                FaultInjector.parse(self.faults)
-            except (ValueError, AttributeError) as exc:
-                raise ConfigError(f"{prefix}.faults", str(exc)) from None
+        one_of(f"{prefix}.transport", self.transport, KV_TRANSPORTS)
+        one_of(f"{prefix}.wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        positive_float(f"{prefix}.compress_below_gbps", self.compress_below_gbps)
+        positive_float(f"{prefix}.timeout_s", self.timeout_s)
+        try:
+            parse_faults(self.faults)
+        except (ValueError, AttributeError) as exc:
+            raise ConfigError(f"{prefix}.faults", str(exc)) from None
 
 
 @dataclass(frozen=True)
@@ -89,18 +96,17 @@ class RouterConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ConfigError(f"{prefix}.{name}", f"must be a port number in [0, 65535] (0 = any free port), got {value!r}")
-        if self.policy not in ROUTING_POLICIES:
-            raise ConfigError(f"{prefix}.policy", f"must be one of {', '.join(ROUTING_POLICIES)}, got {self.policy!r}")
+        one_of(f"{prefix}.policy", self.policy, ROUTING_POLICIES)
         for name in ("max_queued_requests", "max_queued_tokens"):
-            _positive_int(f"{prefix}.{name}", getattr(self, name))
+            positive_int(f"{prefix}.{name}", getattr(self, name))
         for name in ("prefill_retries", "max_migrations", "local_prefill_threshold"):
-            _non_negative_int(f"{prefix}.{name}", getattr(self, name))
-        _positive_float(f"{prefix}.request_timeout_s", self.request_timeout_s)
-        _positive_float(f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
-        if not _is_number(self.stall_timeout_s) or self.stall_timeout_s < 0:
+            non_negative_int(f"{prefix}.{name}", getattr(self, name))
+        positive_float(f"{prefix}.request_timeout_s", self.request_timeout_s)
+        positive_float(f"{prefix}.heartbeat_timeout_s", self.heartbeat_timeout_s)
+        if not is_number(self.stall_timeout_s) or self.stall_timeout_s < 0:
             raise ConfigError(f"{prefix}.stall_timeout_s", f"must be a number >= 0 (0 = off), got {self.stall_timeout_s!r}")
-        _positive_float(f"{prefix}.num_cpus", self.num_cpus)
-        _custom_resources(f"{prefix}.resources", self.resources)
+        positive_float(f"{prefix}.num_cpus", self.num_cpus)
+        custom_resources(f"{prefix}.resources", self.resources)
 
 
 @dataclass(frozen=True)
@@ -118,22 +124,21 @@ class PoolConfig:
 
     def validate(self, prefix: str) -> None:
         for name in ("replicas", "min_replicas", "max_replicas"):
-            _non_negative_int(f"{prefix}.{name}", getattr(self, name))
+            non_negative_int(f"{prefix}.{name}", getattr(self, name))
         if self.min_replicas > self.max_replicas:
             raise ConfigError(f"{prefix}.min_replicas", f"({self.min_replicas}) must be <= max_replicas ({self.max_replicas})")
         if not self.min_replicas <= self.replicas <= self.max_replicas:
             raise ConfigError(f"{prefix}.replicas", f"({self.replicas}) must be within [min_replicas, max_replicas] = [{self.min_replicas}, {self.max_replicas}]")
         for name in ("num_cpus", "num_gpus"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ConfigError(f"{prefix}.{name}", f"must be a number >= 0, got {value!r}")
-        if self.placement_strategy not in PLACEMENT_STRATEGIES:
-            raise ConfigError(f"{prefix}.placement_strategy", f"must be one of {', '.join(PLACEMENT_STRATEGIES)}, got {self.placement_strategy!r}")
+        one_of(f"{prefix}.placement_strategy", self.placement_strategy, PLACEMENT_STRATEGIES)
         if self.num_cpus + self.num_gpus <= 0:
             raise ConfigError(f"{prefix}.num_cpus", "num_cpus and num_gpus are both 0: a worker must reserve some CPU or GPU")
         if self.num_threads is not None:
-            _positive_int(f"{prefix}.num_threads", self.num_threads)
-        _custom_resources(f"{prefix}.resources", self.resources)
+            positive_int(f"{prefix}.num_threads", self.num_threads)
+        custom_resources(f"{prefix}.resources", self.resources)
 
 
 @dataclass(frozen=True)
@@ -156,8 +161,8 @@ class PrefillScalingConfig:
     """Scale up when the router's TTFT percentile over the last interval exceeds this."""
 
     def validate(self, prefix: str) -> None:
-        _positive_int(f"{prefix}.queued_prompt_tokens_per_worker", self.queued_prompt_tokens_per_worker)
-        _positive_float(f"{prefix}.ttft_slo_s", self.ttft_slo_s)
+        positive_int(f"{prefix}.queued_prompt_tokens_per_worker", self.queued_prompt_tokens_per_worker)
+        positive_float(f"{prefix}.ttft_slo_s", self.ttft_slo_s)
 
 
 @dataclass(frozen=True)
@@ -172,10 +177,10 @@ class DecodeScalingConfig:
     """Scale up when the router's inter-token latency percentile over the last interval exceeds this."""
 
     def validate(self, prefix: str) -> None:
-        if not _is_number(self.kv_usage) or not 0 < self.kv_usage <= 1:
+        if not is_number(self.kv_usage) or not 0 < self.kv_usage <= 1:
             raise ConfigError(f"{prefix}.kv_usage", f"must be a fraction in (0, 1], got {self.kv_usage!r}")
-        _positive_int(f"{prefix}.running_requests_per_worker", self.running_requests_per_worker)
-        _positive_float(f"{prefix}.itl_slo_s", self.itl_slo_s)
+        positive_int(f"{prefix}.running_requests_per_worker", self.running_requests_per_worker)
+        positive_float(f"{prefix}.itl_slo_s", self.itl_slo_s)
 
 
 @dataclass(frozen=True)
@@ -201,19 +206,16 @@ class AutoscalerConfig:
     def validate(self, prefix: str) -> None:
         if not isinstance(self.enabled, bool):
             raise ConfigError(f"{prefix}.enabled", f"must be true or false, got {self.enabled!r}")
-        _positive_float(f"{prefix}.interval_s", self.interval_s)
+        positive_float(f"{prefix}.interval_s", self.interval_s)
         for name in ("upscale_cooldown_s", "downscale_cooldown_s"):
             value = getattr(self, name)
-            if not _is_number(value) or value < 0:
+            if not is_number(value) or value < 0:
                 raise ConfigError(f"{prefix}.{name}", f"must be a number >= 0, got {value!r}")
         for name in ("downscale_ratio", "latency_quantile"):
             value = getattr(self, name)
-            if not _is_number(value) or not 0 < value < 1:
+            if not is_number(value) or not 0 < value < 1:
                 raise ConfigError(f"{prefix}.{name}", f"must be a fraction in (0, 1), got {value!r}")
-        _positive_float(f"{prefix}.drain_timeout_s", self.drain_timeout_s)
-
-
-MIN_SECRET_CHARS = 16
+        positive_float(f"{prefix}.drain_timeout_s", self.drain_timeout_s)
 
 
 @dataclass(frozen=True)
@@ -249,19 +251,14 @@ class SecurityConfig:
             raise ConfigError(f"{prefix}.{which}", "only meaningful with tls_cert_file and tls_key_file")
         for name in ("tls_cert_file", "tls_key_file", "tls_ca_file"):
             if getattr(self, name):
-                _pem_file(f"{prefix}.{name}", getattr(self, name))
+                pem_file(f"{prefix}.{name}", getattr(self, name))
 
     def _validate_secret(self, prefix: str) -> None:
-        if self.shared_secret_file:
-            try:
-                secret = Path(self.shared_secret_file).read_text().strip()
-            except (OSError, UnicodeDecodeError) as exc:
-                raise ConfigError(f"{prefix}.shared_secret_file", f"cannot read {self.shared_secret_file}: {exc}") from None
-            where = f"{prefix}.shared_secret_file"
-        elif self.shared_secret:
-            secret, where = self.shared_secret, f"{prefix}.shared_secret"
-        else:
-            secret, where = os.environ.get("PDSERVE_SHARED_SECRET", ""), "PDSERVE_SHARED_SECRET"
+        try:
+            secret, source = secret_source(self.shared_secret, self.shared_secret_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{prefix}.shared_secret_file", f"cannot read {self.shared_secret_file}: {exc}") from None
+        where = source if source == SECRET_ENV else f"{prefix}.{source}"
         if secret and len(secret) < MIN_SECRET_CHARS:
             raise ConfigError(where, f"the secret must be at least {MIN_SECRET_CHARS} characters, got {len(secret)}")
         if self.shared_secret_file and not secret:
@@ -288,6 +285,12 @@ class PdserveConfig:
         router.validate("router")
         return dataclasses.replace(self, router=router)
 
+    def engine_for(self, role: str) -> EngineConfig:
+        """The engine config of a `role` worker: torch threads default to its pool's CPU share."""
+        pool = getattr(self.pools, role)
+        threads = self.engine.num_threads or pool.num_threads or max(1, int(pool.num_cpus))
+        return dataclasses.replace(self.engine, num_threads=threads)
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -306,12 +309,12 @@ def load_config(path: str | Path | None = None) -> PdserveConfig:
 def config_from_dict(data: dict[str, Any]) -> PdserveConfig:
     if not isinstance(data, dict):
         raise ConfigError("config", "the top level must be a mapping")
-    _reject_unknown(data, PdserveConfig, "")
+    reject_unknown(data, PdserveConfig, "")
     engine = EngineConfig.from_dict(_section(data, "engine"), prefix="engine")
     kv = _build(KVTransferConfig, _section(data, "kv_transfer"), "kv_transfer")
     router = _build(RouterConfig, _section(data, "router"), "router")
     pools_data = _section(data, "pools")
-    _reject_unknown(pools_data, PoolsConfig, "pools.")
+    reject_unknown(pools_data, PoolsConfig, "pools.")
     pools = PoolsConfig(
         prefill=_build(PoolConfig, _section(pools_data, "prefill", "pools."), "pools.prefill"),
         decode=_build(PoolConfig, _section(pools_data, "decode", "pools."), "pools.decode"),
@@ -327,7 +330,7 @@ def config_from_dict(data: dict[str, Any]) -> PdserveConfig:
 
 
 def _build_autoscaler(data: dict) -> AutoscalerConfig:
-    _reject_unknown(data, AutoscalerConfig, "autoscaler.")
+    reject_unknown(data, AutoscalerConfig, "autoscaler.")
     prefill = _build(PrefillScalingConfig, _section(data, "prefill", "autoscaler."), "autoscaler.prefill")
     decode = _build(DecodeScalingConfig, _section(data, "decode", "autoscaler."), "autoscaler.decode")
     flat = {k: v for k, v in data.items() if k not in ("prefill", "decode")}
@@ -341,56 +344,11 @@ def _section(data: dict, key: str, prefix: str = "") -> dict:
     return value
 
 
-def _reject_unknown(data: dict, cls: type, prefix: str) -> None:
-    known = {f.name for f in fields(cls)}
-    for key in data:
-        if key not in known:
-            raise ConfigError(f"{prefix}{key}", f"unknown field (known: {', '.join(sorted(known))})")
-
-
 def _build(cls: type, data: dict, prefix: str):
-    _reject_unknown(data, cls, prefix + ".")
+    reject_unknown(data, cls, prefix + ".")
     try:
         obj = cls(**data)
     except TypeError as exc:
         raise ConfigError(prefix, str(exc)) from None
     obj.validate(prefix)
     return obj
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
-
-
-def _non_negative_int(name: str, value: Any) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
-
-
-def _custom_resources(name: str, value: Any) -> None:
-    if not isinstance(value, dict):
-        raise ConfigError(name, f"must be a mapping of Ray resource names to amounts, got {value!r}")
-    for key, amount in value.items():
-        if not isinstance(key, str) or not key or key in ("CPU", "GPU", "memory", "object_store_memory"):
-            raise ConfigError(f"{name}.{key}", "must be a custom resource name (use num_cpus / num_gpus for CPU and GPU)")
-        if not _is_number(amount) or amount <= 0:
-            raise ConfigError(f"{name}.{key}", f"must be a number > 0, got {amount!r}")
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _pem_file(name: str, path: str) -> None:
-    try:
-        text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(name, f"cannot read {path}: {exc}") from None
-    if "-----BEGIN " not in text:
-        raise ConfigError(name, f"{path} is not a PEM file")
-
-
-def _positive_float(name: str, value: Any) -> None:
-    if not _is_number(value) or value <= 0:
-        raise ConfigError(name, f"must be a number > 0, got {value!r}")

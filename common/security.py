@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import hmac
 import logging
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,9 +31,10 @@ from typing import Any
 
 import grpc
 
+from common.secrets import resolve_secret
+
 log = logging.getLogger(__name__)
 
-SECRET_ENV = "PDSERVE_SHARED_SECRET"
 SECRET_METADATA_KEY = "x-pdserve-secret"
 """gRPC metadata key that carries the shared secret on internal calls."""
 REFUSAL = "missing or wrong cluster secret (metadata 'x-pdserve-secret'; see security.shared_secret)"
@@ -47,20 +47,6 @@ INTERNAL_CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 250),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
-
-
-def read_secret_file(path: str) -> str:
-    """The secret stored in `path`, surrounding whitespace (a trailing newline) removed."""
-    return Path(path).read_text().strip()
-
-
-def resolve_secret(shared_secret: str = "", shared_secret_file: str = "") -> str:
-    """The configured secret: the YAML value, else the file's content, else the environment."""
-    if shared_secret:
-        return shared_secret
-    if shared_secret_file:
-        return read_secret_file(shared_secret_file)
-    return os.environ.get(SECRET_ENV, "")
 
 
 def _read_optional(path: str) -> bytes | None:
@@ -82,7 +68,7 @@ class Security:
 
     @classmethod
     def from_config(cls, config: Any) -> Security:
-        """From a `deploy.config.SecurityConfig` (duck-typed: anything with its fields)."""
+        """From a `common.config.SecurityConfig` (duck-typed: anything with its fields)."""
         return cls(
             secret=resolve_secret(config.shared_secret, config.shared_secret_file),
             tls_cert=_read_optional(config.tls_cert_file),

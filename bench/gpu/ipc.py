@@ -1,0 +1,76 @@
+"""KV bytes between two processes on one device: CUDA IPC (through torch.multiprocessing) and host staging.
+
+Lifecycle of one measurement: the parent allocates a KV-shaped pool, spawns a child and hands it the
+pool through a torch.multiprocessing queue (on CUDA that sends a CUDA IPC handle: the child maps the
+parent's memory, no copy); the child allocates its own pool, copies the parent's blocks into it
+(`contiguous`: one run of blocks; `gather`: a scattered block table, as after a busy prefill), checks
+the bytes, and sends back the timings. The parent keeps its pool alive until the child answers.
+`host_staged` is the fallback's cost in one process: device -> pinned host -> device.
+On CPU the same code measures shared memory between processes (what the CPU test exercises).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from bench.gpu.device import time_ms
+
+
+def _timed(fn, device: str, iters: int) -> tuple[float, float]:
+    """(best, median) seconds of `fn()`."""
+    t = time_ms(fn, device, iters, warmup=1)
+    return t["ms_min"] / 1e3, t["ms_median"] / 1e3
+
+
+def _child(inbox, outbox, block_ids: list[int], iters: int) -> None:
+    try:
+        pool = inbox.get(timeout=120)  # [num_blocks, block_numel]: mapped from the parent
+        device = str(pool.device)
+        mine = torch.empty_like(pool)
+        ids = torch.tensor(block_ids, device=pool.device)
+        n = len(block_ids)
+        cont_best, cont_med = _timed(lambda: mine[:n].copy_(pool[:n]), device, iters)
+        gath_best, gath_med = _timed(lambda: mine.index_copy_(0, ids, pool.index_select(0, ids)), device, iters)
+        ok = bool(torch.equal(mine[ids], pool[ids]))
+        nbytes = n * pool[0].numel() * pool.element_size()
+        outbox.put({
+            "bytes": nbytes, "bytes_identical": ok, "ipc_device": device,
+            "contiguous_gbps": round(nbytes / cont_best / 1e9, 3), "contiguous_gbps_median": round(nbytes / cont_med / 1e9, 3),
+            "gather_gbps": round(nbytes / gath_best / 1e9, 3), "gather_gbps_median": round(nbytes / gath_med / 1e9, 3),
+        })
+    except Exception as exc:  # reported by the parent
+        outbox.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def ipc_copy(device: str, num_blocks: int, block_numel: int, dtype: torch.dtype, iters: int = 10, timeout: float = 120) -> dict:
+    """Child process copies `num_blocks // 2` of the parent's blocks (every other block for `gather`)."""
+    ctx = torch.multiprocessing.get_context("spawn")
+    pool = torch.randn(num_blocks, block_numel, device=device).to(dtype)
+    block_ids = list(range(0, num_blocks, 2))
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_child, args=(inbox, outbox, block_ids, iters), daemon=True)
+    proc.start()
+    try:
+        inbox.put(pool)
+        result = outbox.get(timeout=timeout)
+    finally:
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+    if "error" in result:
+        raise RuntimeError(f"child: {result['error']}")
+    return result
+
+
+def host_staged(device: str, nbytes: int, iters: int = 10) -> dict:
+    """Device -> pinned host -> device for `nbytes` (the fallback's two copies, no network in between)."""
+    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    pinned = device.startswith("cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned)
+    dst = torch.empty_like(src)
+    d2h, _ = _timed(lambda: host.copy_(src), device, iters)
+    h2d, _ = _timed(lambda: dst.copy_(host), device, iters)
+    return {
+        "bytes": nbytes, "pinned": pinned, "d2h_gbps": round(nbytes / d2h / 1e9, 3), "h2d_gbps": round(nbytes / h2d / 1e9, 3),
+        "staged_gbps": round(nbytes / (d2h + h2d) / 1e9, 3),
+    }

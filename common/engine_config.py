@@ -1,0 +1,67 @@
+"""Engine configuration: one typed object, validated once, errors name the field.
+
+Torch-free (it sits in common/, below the engine): the router, the launcher and the config loader
+read it without loading the model runtime.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from common.validation import ConfigError, is_number, non_negative_int, one_of, positive_int, reject_unknown
+
+BLOCK_SIZES = (8, 16, 32, 64, 128)
+OPTIONAL = ("num_kv_blocks", "max_model_len", "num_threads")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "smollm2-135m"
+    """Alias `smollm2-135m`, a local HF directory or a .gguf file."""
+    dtype: str = "float32"
+    device: str = "cpu"
+    block_size: int = 16
+    kv_cache_memory_mb: int = 512
+    """Memory budget of the paged KV pool; the number of blocks follows from it."""
+    kv_cache_memory_fraction: float | None = None
+    """CUDA: share of the device memory free after loading the weights for the KV pool (overrides
+    kv_cache_memory_mb there; ignored on CPU)."""
+    cuda_graph_max_batch: int = 256
+    """CUDA: pure decode steps up to this batch replay CUDA graphs captured at batch buckets (0: never)."""
+    num_kv_blocks: int | None = None
+    """Exact number of KV blocks (overrides kv_cache_memory_mb; tests use it to force preemption)."""
+    max_model_len: int | None = None
+    """Longest prompt + output; defaults to the model's max_position_embeddings."""
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    num_threads: int | None = None
+    """torch intra-op threads; None keeps torch's default."""
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, prefix: str = "engine") -> None:
+        if not isinstance(self.model, str) or not self.model:
+            raise ConfigError(f"{prefix}.model", "must be a non-empty string")
+        if self.dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError(f"{prefix}.dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        one_of(f"{prefix}.block_size", self.block_size, BLOCK_SIZES)
+        if not (isinstance(self.device, str) and (self.device == "cpu" or self.device.split(":")[0] == "cuda")):
+            raise ConfigError(f"{prefix}.device", f"must be cpu, cuda or cuda:N, got {self.device!r}")
+        fraction = self.kv_cache_memory_fraction
+        if fraction is not None and (not is_number(fraction) or not 0 < fraction < 1):
+            raise ConfigError(f"{prefix}.kv_cache_memory_fraction", f"must be a number in (0, 1), got {fraction!r}")
+        non_negative_int(f"{prefix}.cuda_graph_max_batch", self.cuda_graph_max_batch)
+        for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads"):
+            positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)
+
+    @classmethod
+    def from_dict(cls, data: dict, prefix: str = "engine") -> EngineConfig:
+        reject_unknown(data, cls, prefix + ".")
+        try:
+            return cls(**data)
+        except ConfigError as exc:
+            raise ConfigError(f"{prefix}.{exc.field.split('.', 1)[-1]}", str(exc).split(': ', 1)[-1]) from None

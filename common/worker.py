@@ -1,0 +1,99 @@
+"""The process both worker packages run: `run_worker` around the parts each worker builds itself.
+
+Lifecycle: parse flags and load the YAML config once (`worker_main`), resolve the cluster
+security, let the worker build its parts (`WorkerParts`: engine, KV endpoint, servicer; the
+prefill worker's sender or the decode worker's receiver signs or checks transfer headers with the
+cluster secret), bind the gRPC server (TLS and the secret check of common/security.py when
+configured), announce the ready line, optionally register with the router and heartbeat, serve
+until SIGTERM, drain (the servicer's `drain`), deregister, close the parts.
+Under Ray (deploy/actors.py) the same `run_worker` runs inside an actor with a `ServerControl`:
+the ready info goes to the actor instead of stdout and the actor, not a signal, stops it.
+
+Torch-free on purpose: the parts that load the model are built by prefill_worker/main.py and
+decode_worker/main.py and handed in, so this module stays in common/ below both of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+
+from common.config import PdserveConfig, load_config
+from common.registration import RegistrationLoop
+from common.security import Security
+from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+
+
+@dataclass
+class WorkerParts:
+    """What a worker builds before it serves."""
+
+    service: Any
+    """The servicer: `Stats` (heartbeats carry it), `drain(grace_s)`, `gate` (its `CallGate`: draining, in flight)."""
+    service_name: str
+    """Its gRPC service, e.g. "pdserve.v1.DecodeWorker" (health, reflection, the secret check)."""
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+    close: Callable[[], Awaitable[None]]
+    """Stop the KV endpoint and the engine (after the server stopped)."""
+    ready: dict[str, Any] = field(default_factory=dict)
+    """Extra fields of the ready line (the decode worker's kv_port)."""
+
+
+BuildParts = Callable[[PdserveConfig, argparse.Namespace, str, Security], Awaitable[WorkerParts]]
+Serve = Callable[[PdserveConfig, argparse.Namespace, str], Awaitable[None]]
+
+
+def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {role}_worker", description=f"pdserve {role} worker")
+    parser.add_argument("-c", "--config", default=None, help="YAML config (default: deploy/configs/local.yaml)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+    parser.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: any free port)")
+    parser.add_argument("--worker-id", default=None)
+    parser.add_argument("--router", default=None, help="router HOST:PORT to register with")
+    parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    return parser.parse_args(argv)
+
+
+def worker_main(role: str, serve: Serve, argv: list[str] | None = None) -> int:
+    """`python -m <role>_worker`: flags, logging, config, then `serve` until SIGTERM."""
+    args = parse_args(role, argv)
+    configure_logging(args.log_level)
+    config = load_config(args.config)
+    asyncio.run(serve(config, args, args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"))
+    return 0
+
+
+async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
+                     control: ServerControl | None = None) -> None:
+    security = Security.from_config(config.security)
+    parts = await build(config, args, worker_id, security)
+    registration = None
+    try:
+        names = [parts.service_name]
+        server, port, health_servicer = create_server(args.host, args.port, names, security, protected=names)
+        parts.add_to_server(parts.service, server)
+        await server.start()
+        await set_serving(health_servicer, names, True)
+        address = f"{args.host}:{port}"
+        ready = {"role": role, "worker_id": worker_id, "grpc_port": port, "address": address, **parts.ready}
+        if args.router:
+            registration = RegistrationLoop(args.router, role, worker_id, address, parts.service, config.model_name, security)
+            registration.start()
+        if control is None:
+            announce_ready(**ready)
+        else:
+            control.ready(ready, service=parts.service, registration=registration)
+        await serve_until_signalled(server, health_servicer, names, parts.service.drain,
+                                    stop=control.stop if control is not None else None)
+    finally:
+        if registration is not None:
+            await registration.stop()
+        await parts.close()

@@ -1,0 +1,50 @@
+"""`python -m decode_worker`: the decode worker's parts, served by common/worker.py's `run_worker`.
+
+Parts: an engine (torch threads from the pool's CPU share), a `KVReceiver` bound to
+`kv_transfer.host` (`--kv-port`, 0: any free port; it checks transfer headers with the cluster
+secret) whose port joins the ready line, and the `DecodeService`. Closing stops the receiver,
+then the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from common.config import PdserveConfig
+from common.security import Security
+from common.serving import ServerControl
+from common.worker import WorkerParts, run_worker, worker_main
+from decode_worker.service import DecodeService
+from engine import Engine
+from engine.async_engine import AsyncEngine
+from kvtransfer import KVReceiver, fingerprint
+from kvtransfer.faults import FaultPoint
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+ROLE = "decode"
+
+
+async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
+    fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
+    engine = AsyncEngine(Engine(config.engine_for(ROLE)))
+    engine.start()
+    kv = config.kv_transfer
+    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
+    receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
+    await receiver.start()
+    service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point)
+
+    async def close() -> None:
+        await receiver.close()
+        engine.stop()
+
+    return WorkerParts(service, "pdserve.v1.DecodeWorker", pb_grpc.add_DecodeWorkerServicer_to_server, close,
+                       ready={"kv_port": receiver.endpoint.port})
+
+
+async def serve(config: PdserveConfig, args: argparse.Namespace, worker_id: str, control: ServerControl | None = None) -> None:
+    await run_worker(ROLE, build, config, args, worker_id, control)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(ROLE, serve, argv)

@@ -1,0 +1,122 @@
+"""The Ray commands of the `pdserve` CLI (`serve`, `up`, `down`, `status`, `scale`), light half.
+
+Their flags, the config they load and the helpers that need no cluster live here, so that the CLI
+stays light (no Ray) for every other command. `run(args)` loads and validates the config of
+`serve` / `up` first (a bad one exits 2 before Ray is even imported), then hands over to
+deploy/launcher.py, which holds everything that talks to Ray.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+import time
+
+from common.config import ConfigError, PdserveConfig, load_config
+
+SHUTDOWN_GRACE_S = 30.0
+
+
+def add_commands(sub: argparse._SubParsersAction) -> None:
+    serve = sub.add_parser("serve", help="run router + prefill + decode pools on Ray in the foreground")
+    _config_flags(serve)
+    serve.add_argument("--grpc-port", type=int, default=None, help="router gRPC port (default: router.grpc_port; 0: any free port)")
+    serve.add_argument("--http-port", type=int, default=None, help="router HTTP port (default: router.http_port; 0: any free port)")
+    serve.add_argument("--num-cpus", type=float, default=None, help="logical CPUs of the embedded Ray (default: what the config needs)")
+
+    up = sub.add_parser("up", help="start pdserve detached on a running Ray cluster and return")
+    _config_flags(up)
+    up.add_argument("--grpc-port", type=int, default=None)
+    up.add_argument("--http-port", type=int, default=None)
+
+    down = sub.add_parser("down", help="drain and remove the pdserve deployment from the Ray cluster")
+    down.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    down.add_argument("--grace", type=float, default=SHUTDOWN_GRACE_S, help="seconds requests in flight get to finish")
+
+    status = sub.add_parser("status", help="router, pools and workers with health and load")
+    status.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    status.add_argument("--json", action="store_true")
+
+    scale = sub.add_parser("scale", help="resize pools: pdserve scale prefill=N decode=M")
+    scale.add_argument("pools", nargs="+", metavar="ROLE=N")
+    scale.add_argument("--address", default=None, help="Ray cluster address (default: auto)")
+    scale.add_argument("--json", action="store_true")
+
+
+def _config_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-c", "--config", default=None, help="YAML config (default: deploy/configs/local.yaml)")
+    parser.add_argument("--address", default=None, help="join this Ray cluster (default: serve starts its own; up uses auto)")
+    parser.add_argument("--bind-host", default=None,
+                        help="host the servers bind to (default: 127.0.0.1 on an embedded Ray, else each node's IP)")
+
+
+def run(args: argparse.Namespace) -> int:
+    config = None
+    if args.command in ("serve", "up"):
+        config = load_or_report(args)
+        if config is None:
+            return 2
+    from deploy import launcher  # Ray: loaded only for these commands, and only after the config passed
+
+    return launcher.run(args, config)
+
+
+def load_or_report(args: argparse.Namespace) -> PdserveConfig | None:
+    """The validated config with CLI port overrides, or None after printing the bad field."""
+    try:
+        return load_config(args.config).with_router_ports(getattr(args, "grpc_port", None), getattr(args, "http_port", None))
+    except ConfigError as exc:
+        print(f"pdserve: invalid config: {exc}", file=sys.stderr)
+        return None
+
+
+def logical_cpus(config: PdserveConfig) -> int:
+    """CPUs the embedded Ray declares: enough for the router and every pool at max_replicas."""
+    pools = config.pools
+    needed = config.router.num_cpus + sum(p.max_replicas * p.num_cpus for p in (pools.prefill, pools.decode))
+    return max(os.cpu_count() or 1, math.ceil(needed))
+
+
+def custom_resources(config: PdserveConfig) -> dict[str, float]:
+    """Custom Ray resources the embedded (single) node declares: all that the config can ask for."""
+    total: dict[str, float] = dict(config.router.resources)
+    for pool in (config.pools.prefill, config.pools.decode):
+        for name, amount in pool.resources.items():
+            total[name] = total.get(name, 0.0) + pool.max_replicas * amount
+    return total
+
+
+def parse_scale_targets(specs: list[str]) -> dict[str, int]:
+    targets: dict[str, int] = {}
+    for spec in specs:
+        role, sep, value = spec.partition("=")
+        if not sep or role not in ("prefill", "decode"):
+            raise ValueError(f"{spec!r}: expected prefill=N or decode=N")
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"{spec!r}: N must be an integer") from None
+        if n < 0:
+            raise ValueError(f"{spec!r}: N must be >= 0")
+        targets[role] = n
+    return targets
+
+
+def format_status(report: dict) -> str:
+    r = report["router"]
+    lines = [(f"router   grpc={r.get('grpc')}  http={r.get('http')}  {r.get('health')}  "
+              f"in_flight={r.get('in_flight_requests', '?')}")]
+    for role, pool in report["pools"].items():
+        lines.append(f"{role:<8} {pool['replicas']} worker(s)  [min {pool['min_replicas']}, max {pool['max_replicas']}]")
+        for w in pool["workers"]:
+            lines.append(f"  {w['id']:<12} {w['address'] or '-':<22} {w['health']:<10} in_flight={w['in_flight']} "
+                         f"queued={w['queued_requests']} ({w['queued_prompt_tokens']} tok) running={w['running_requests']} "
+                         f"kv={100 * w['kv_usage']:.0f}%")
+    scaler = report.get("autoscaler", {})
+    lines.append(f"autoscaler {'on' if scaler.get('enabled') else 'off'}")
+    for event in report.get("events", [])[-5:]:
+        when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
+        lines.append(f"  {when} {event['pool']}: {event.get('from', '?')} -> {event.get('to', '?')} ({event['reason']})")
+    return "\n".join(lines)

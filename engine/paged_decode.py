@@ -1,0 +1,125 @@
+"""Decode attention straight over the paged pool for a padded batch: one call per layer, no host sync.
+
+Inputs (all device tensors, fixed shapes, so a CUDA graph can capture the call):
+  q              [B, H, D]               one query token per row
+  key/value      [blocks, bs, Hkv, D]    one layer of the pool
+  block_table    [B, W] int              each row's blocks (padding rows/columns may hold any valid id)
+  context_lens   [B] int                 keys each row attends to (>= 1)
+Two kernels compute the same thing:
+  torch   gathers the rows' blocks (`index_select` through the padded table) and runs SDPA with a
+          length mask; reads every row to the table's full width, so the caller sizes W to the batch.
+  triton  one program per (row, KV head) walks the row's own blocks only (`context_lens` bounds the
+          loop), its G = H / Hkv query heads share each K/V load (as rows of a `tl.dot`, padded to
+          16), operands and online softmax in fp32. The table width costs
+          nothing, so one table as wide as `max_model_len` serves every step (graphs).
+`TRITON_INTERPRET=1` runs the triton kernel on CPU (numpy), which is how it is tested without a GPU
+(tests/unit/test_engine_batched.py; with numpy 2 the interpreter needs `interpreter_loop_fix()` for a
+loop bounded by a loaded value). `triton.compile(..., target=GPUTarget("cuda", 90, 32))` builds it for
+a Hopper GPU without one, which is how its compilation was checked here.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+try:  # triton is optional: present with CUDA builds of torch, absent on most CPU hosts
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the host
+    triton = None
+
+TOKENS_PER_TILE = 32
+
+
+def decode_torch(q, key, value, block_table, context_lens, scale: float | None) -> torch.Tensor:
+    b, h, d = q.shape
+    hkv, bs, width = key.shape[2], key.shape[1], block_table.shape[1]
+    flat = block_table.reshape(-1).long()
+    k = key.index_select(0, flat).view(b, width * bs, hkv, d).transpose(1, 2)  # [B, Hkv, L, D]
+    v = value.index_select(0, flat).view(b, width * bs, hkv, d).transpose(1, 2)
+    valid = torch.arange(width * bs, device=q.device).unsqueeze(0) < context_lens.unsqueeze(1)
+    qg = q.reshape(b, hkv, h // hkv, d)  # the query heads sharing a KV head are that head's query rows
+    out = F.scaled_dot_product_attention(qg, k, v, attn_mask=valid.view(b, 1, 1, -1), scale=scale)
+    return out.reshape(b, h, d)
+
+
+if triton is not None:
+
+    @triton.jit(do_not_specialize=["stride_btb"])  # the eager path's table width changes every step: one compile
+    def _paged_decode_kernel(
+        Q, K, V, BT, LENS, O, scale,
+        stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_btb, stride_ob, stride_oh,
+        G: tl.constexpr, G_PAD: tl.constexpr, D: tl.constexpr, BS: tl.constexpr, TILE: tl.constexpr, PRECISION: tl.constexpr,
+    ):
+        row = tl.program_id(0)
+        kvh = tl.program_id(1)
+        length = tl.load(LENS + row)
+        offs_g = tl.arange(0, G_PAD)
+        offs_d = tl.arange(0, D)
+        offs_t = tl.arange(0, TILE)
+        heads = kvh * G + offs_g
+        q = tl.load(Q + row * stride_qb + heads[:, None] * stride_qh + offs_d[None, :], mask=(offs_g < G)[:, None], other=0.0).to(tl.float32)
+        m = tl.full([G_PAD], float("-inf"), tl.float32)
+        denom = tl.zeros([G_PAD], tl.float32)
+        acc = tl.zeros([G_PAD, D], tl.float32)
+        for start in range(0, length, TILE):  # a `for` loop: triton pipelines its loads (num_stages)
+            tok = start + offs_t
+            live = tok < length
+            blk = tl.load(BT + row * stride_btb + tok // BS, mask=live, other=0).to(tl.int64)
+            at = blk * stride_kb + (tok % BS).to(tl.int64) * stride_kt + kvh * stride_kh
+            k = tl.load(K + at[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, TILE], fp32
+            s = tl.where(live[None, :], s, float("-inf"))
+            m_new = tl.maximum(m, tl.max(s, axis=1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(V + at[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
+            denom = denom * alpha + tl.sum(p, axis=1)
+            m = m_new
+        out = acc / denom[:, None]
+        tl.store(O + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=(offs_g < G)[:, None])
+
+
+def decode_triton(q, key, value, block_table, context_lens, scale: float | None, tile: int = TOKENS_PER_TILE, num_warps: int = 4) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("the triton decode kernel needs the triton package")
+    b, h, d = q.shape
+    bs, hkv = key.shape[1], key.shape[2]
+    if key.stride(3) != 1 or q.stride(2) != 1:
+        raise ValueError("paged decode needs a contiguous head_dim")
+    g = h // hkv
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    scale = d**-0.5 if scale is None else scale
+    _paged_decode_kernel[(b, hkv)](
+        q, key, value, block_table, context_lens, out, scale,
+        q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
+        G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, TILE=tile, num_warps=num_warps,
+        # Operands go to the dot as fp32: bf16/fp16 values are exact in tf32, so tf32 loses nothing for
+        # them; fp32 models need full fp32 products ("ieee") to match transformers token for token.
+        PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+    )
+    return out
+
+
+KERNELS = {"torch": decode_torch, "triton": decode_triton}
+
+
+def default_kernel(device: torch.device) -> str:
+    """triton on CUDA when the package is there, else the torch gather."""
+    return "triton" if device.type == "cuda" and triton is not None else "torch"
+
+
+def interpreter_loop_fix() -> None:
+    """Let triton's CPU interpreter (TRITON_INTERPRET=1) use a loaded scalar as a `range` bound under numpy 2
+    (it converts a 1-element array with int(), which numpy 2 refuses). Tests only; no effect on GPUs."""
+    import triton.runtime.interpreter as interpreter
+
+    original = interpreter._patch_lang_tensor
+
+    def patched(tensor, scope):
+        original(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    interpreter._patch_lang_tensor = patched

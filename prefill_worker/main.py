@@ -1,0 +1,52 @@
+"""`python -m prefill_worker`: the prefill worker's parts, served by common/worker.py's `run_worker`.
+
+Parts: an engine in prefill-only use (torch threads from the pool's CPU share) whose KV layer
+sink is the `LayerStreamer` (with `kv_transfer.layerwise`), a `KVSender` (faults from
+`kv_transfer.faults`, transfer headers signed with the cluster secret) and the `PrefillService`.
+Closing stops the sender's I/O thread, then the engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+
+from common.config import PdserveConfig
+from common.security import Security
+from common.serving import ServerControl
+from common.worker import WorkerParts, run_worker, worker_main
+from engine import Engine
+from engine.async_engine import AsyncEngine
+from kvtransfer import FaultInjector, KVSender, fingerprint
+from kvtransfer.codec import WirePolicy
+from kvtransfer.faults import FaultPoint
+from prefill_worker.service import LayerStreamer, PrefillService
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+ROLE = "prefill"
+
+
+async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
+    kv = config.kv_transfer
+    fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
+    streamer = LayerStreamer(fault_point) if kv.layerwise else None
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer))
+    engine.start()
+    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
+    sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret,
+                      wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
+    service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)
+
+    async def close() -> None:
+        await asyncio.to_thread(sender.close)
+        engine.stop()
+
+    return WorkerParts(service, "pdserve.v1.PrefillWorker", pb_grpc.add_PrefillWorkerServicer_to_server, close)
+
+
+async def serve(config: PdserveConfig, args: argparse.Namespace, worker_id: str, control: ServerControl | None = None) -> None:
+    await run_worker(ROLE, build, config, args, worker_id, control)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return worker_main(ROLE, serve, argv)
