@@ -31,6 +31,7 @@ from common.validation import (
     reject_unknown,
 )
 
+WIRE_DTYPES = ("auto", "native", "int8", "fp8")  # kvtransfer/codec.py (not imported: config stays torch-free)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_CONFIG = Path(__file__).parent.parent / "deploy" / "configs" / "local.yaml"
 """Shipped with the `deploy` package (package data), where the docs and scripts point."""
@@ -46,9 +47,16 @@ class KVTransferConfig:
     timeout_s: float = 30.0
     faults: str = ""
     """Test hook, off by default: KV faults prefill workers inject (kvtransfer/faults.py syntax)."""
+    wire_dtype: str = "native"
+    """KV on the wire: native (lossless), int8 or fp8 (lossy, per token-and-head scales, decoded into the
+    receiver's dtype), or auto: int8 to a decode worker whose measured link rate is below compress_below_gbps."""
+    compress_below_gbps: float = 2.0
+    """With wire_dtype auto: compress KV to decode workers whose link rate measured from earlier transfers is below this."""
 
     def validate(self, prefix: str) -> None:
         one_of(f"{prefix}.transport", self.transport, KV_TRANSPORTS)
+        one_of(f"{prefix}.wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        positive_float(f"{prefix}.compress_below_gbps", self.compress_below_gbps)
         positive_float(f"{prefix}.timeout_s", self.timeout_s)
         try:
             parse_faults(self.faults)

@@ -58,9 +58,11 @@ class Proc:
         raise AssertionError(f"{self.name} never logged {text!r}:\n" + "\n".join(self.log_lines[-20:]))
 
 
-def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0) -> Proc:
+def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0,
+                  prefix: list[str] | None = None) -> Proc:
+    """`python ARGS` (after `prefix`, e.g. `ip netns exec NS`), once it printed its ready line."""
     popen = subprocess.Popen(
-        [sys.executable, *args],
+        [*(prefix or []), sys.executable, *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
