@@ -1,7 +1,7 @@
 # Newcomer entry points; see README.md.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow lint demo proto bench
+.PHONY: setup test test-slow test-multihost lint demo proto bench
 
 setup:
 	bash scripts/setup.sh
@@ -11,6 +11,10 @@ test: setup
 
 test-slow: setup
 	$(PY) -m pytest -m slow
+
+# hosts as network namespaces (needs root; skipped with a reason otherwise): tests/multihost/
+test-multihost: setup
+	$(PY) -m pytest -m multihost tests/multihost
 
 lint:
 	.venv/bin/ruff check .

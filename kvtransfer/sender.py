@@ -173,16 +173,7 @@ class OutgoingTransfer:
                     trailer = Trailer(item.first_token, len(crcs), digest(layer_sums, self.header.checksum), item.logprob, item.top_logprobs)
                     await conn.channel.send(Frame(FrameKind.TRAILER, stream, trailer.encode()))
                     break
-            tail = time.monotonic()
-            try:
-                outcome = await asyncio.wait_for(result, self.ack_timeout)
-            except TimeoutError:
-                raise TransferTimeout(f"no RESULT from {self.endpoint.host}:{self.endpoint.port} within {self.ack_timeout}s", tid) from None
-            self._raise_for(outcome)
-            self.sender.wire.record(self.endpoint.host, self.header.nbytes, self.network_s + time.monotonic() - tail)
-            ack = TransferAck(tid, self.header.nbytes, len(crcs), time.monotonic() - self.started_at)
-            self.sender.stats.acked += 1
-            return ack
+            return await self._await_ack(result, len(crcs))
         except ChannelClosed as exc:
             self.sender.stats.failed += 1
             raise TransferAborted(f"receiver connection lost: {exc}", tid) from None
@@ -202,6 +193,18 @@ class OutgoingTransfer:
             if conn is not None:
                 conn.close_stream(stream)
             self._drain_queue()
+
+    async def _await_ack(self, result: asyncio.Future[Result], layers: int) -> TransferAck:
+        tail = time.monotonic()
+        try:
+            outcome = await asyncio.wait_for(result, self.ack_timeout)
+        except TimeoutError:
+            where = f"{self.endpoint.host}:{self.endpoint.port}"
+            raise TransferTimeout(f"no RESULT from {where} within {self.ack_timeout}s", self.transfer_id) from None
+        self._raise_for(outcome)
+        self.sender.wire.record(self.endpoint.host, self.header.nbytes, self.network_s + time.monotonic() - tail)
+        self.sender.stats.acked += 1
+        return TransferAck(self.transfer_id, self.header.nbytes, layers, time.monotonic() - self.started_at)
 
     @staticmethod
     async def _tell_receiver(
