@@ -203,11 +203,8 @@ def _remove_leftovers() -> None:
 
 # ---- status / scale ------------------------------------------------------------------------------
 def status(args: argparse.Namespace) -> int:
-    if not _connect(args.address):
-        return 1
-    controller = _get_controller()
+    controller = _running_controller(args.address)
     if controller is None:
-        print("pdserve: not running on this cluster (start it with `pdserve serve` or `pdserve up`)", file=sys.stderr)
         return 1
     report = ray.get(controller.status.remote(), timeout=60)
     print(json.dumps(report, indent=2) if args.json else format_status(report))
@@ -220,11 +217,8 @@ def scale(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"pdserve scale: {exc}", file=sys.stderr)
         return 2
-    if not _connect(args.address):
-        return 1
-    controller = _get_controller()
+    controller = _running_controller(args.address)
     if controller is None:
-        print("pdserve: not running on this cluster", file=sys.stderr)
         return 1
     refs = [controller.scale.remote(role, n) for role, n in targets.items()]
     results, failed = [], False
@@ -273,6 +267,16 @@ def _connect(address: str | None) -> bool:
               "or `ray start --head`", file=sys.stderr)
         return False
     return True
+
+
+def _running_controller(address: str | None) -> Any:
+    """The deployment's controller on the cluster at `address`, or None (said on stderr)."""
+    if not _connect(address):
+        return None
+    controller = _get_controller()
+    if controller is None:
+        print("pdserve: not running on this cluster (start it with `pdserve serve` or `pdserve up`)", file=sys.stderr)
+    return controller
 
 
 def _get_controller() -> Any:
