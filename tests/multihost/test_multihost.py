@@ -1,13 +1,14 @@
 """pdserve across hosts: each host a network namespace with its own IP and Ray node (tests/multihost/).
 
-1. Three hosts (router + prefill on A, decode on B and C), shared secret on, every server on its
+1. Three hosts (router + prefill on A, decode on B and C), a configured shared secret, every server on its
    host's IP: greedy output == HF, KV bytes counted under the configured transport, status shows
    each worker on its host.
 2. Host C dies (every process killed at once) under 8 streams: all complete == HF on B, the
    controller reports the lost worker, no KV block leaked on the live workers.
 3. The prefill host cannot reach decode host C's KV port (blackhole route on the prefill host):
    those transfers fail at once with a clear error, the router retries elsewhere, output == HF.
-Each runs with the default `ucx` transport and with `tcp`.
+Each runs with the default `ucx` transport and with `tcp`. Tests 2 and 3 configure no `security`
+section at all: they run on the secret `pdserve serve` generates for the deployment.
 """
 
 from __future__ import annotations
@@ -31,7 +32,9 @@ KV_TIMEOUT_S = 20.0
 TRANSPORTS = ["ucx", "tcp"]
 
 
-def write_config(path: Path, transport: str, prefill_on: dict, decode_on: dict, decode_replicas: int = 2) -> Path:
+def write_config(path: Path, transport: str, prefill_on: dict, decode_on: dict, decode_replicas: int = 2,
+                 secret: str | None = SECRET) -> Path:
+    """`secret` None: no `security` section (the deployment generates its own secret)."""
     config = {
         "engine": {"model": "smollm2-135m", "kv_cache_memory_mb": 96, "max_num_batched_tokens": 1024, "num_threads": 1},
         "kv_transfer": {"transport": transport, "timeout_s": KV_TIMEOUT_S},
@@ -41,8 +44,9 @@ def write_config(path: Path, transport: str, prefill_on: dict, decode_on: dict, 
             "decode": {"replicas": decode_replicas, "min_replicas": 1, "max_replicas": decode_replicas, "num_cpus": 1,
                        "resources": decode_on},
         },
-        "security": {"shared_secret": SECRET},
     }
+    if secret is not None:
+        config["security"] = {"shared_secret": secret}
     path.write_text(yaml.safe_dump(config))
     return path
 
@@ -108,6 +112,10 @@ def wait_no_leak(cluster: MultiHostCluster, timeout: float = 120) -> dict:
     raise AssertionError(f"KV blocks still held on live workers: {json.dumps(report['pools'], indent=1)}")
 
 
+def assert_generated_secret(report: dict) -> None:
+    assert report["security"]["authenticated"] and report["security"]["secret"] == "generated for this deployment", report["security"]
+
+
 def three_hosts() -> list[HostSpec]:
     """A: 2 CPUs (router + prefill); B and C: 1 CPU and one decode slot each."""
     return [HostSpec(num_cpus=2), HostSpec(resources={"decode_slot": 1}), HostSpec(resources={"decode_slot": 1})]
@@ -137,7 +145,8 @@ def test_three_hosts_greedy_equals_hf(tmp_path, make_cluster, demo_prompt_ids, h
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_host_loss_under_load_migrates_every_stream(tmp_path, make_cluster, demo_prompt_ids, hf_greedy, transport):
     cluster = make_cluster(three_hosts())
-    serve = cluster.serve(write_config(tmp_path / "c.yaml", transport, {"host_1": 0.5}, {"decode_slot": 1}))
+    serve = cluster.serve(write_config(tmp_path / "c.yaml", transport, {"host_1": 0.5}, {"decode_slot": 1}, secret=None))
+    assert_generated_secret(cluster.status())
     before = {w["id"]: w["node_ip"] for w in workers(cluster.status(), "decode")}
     lost = sorted(wid for wid, ip in before.items() if ip == net.host_ip(3))
     assert lost, f"no decode worker on host 3: {before}"
@@ -166,7 +175,8 @@ def test_unreachable_kv_port_fails_fast_and_retries_elsewhere(tmp_path, make_clu
     specs = [HostSpec(num_cpus=2, resources={"decode_slot": 1}), HostSpec(), HostSpec(resources={"decode_slot": 1})]
     cluster = make_cluster(specs)
     net.ip("route", "add", "blackhole", f"{net.host_ip(3)}/32", ns=net.host_ns(2))
-    serve = cluster.serve(write_config(tmp_path / "c.yaml", transport, {"host_2": 1}, {"decode_slot": 1}))
+    serve = cluster.serve(write_config(tmp_path / "c.yaml", transport, {"host_2": 1}, {"decode_slot": 1}, secret=None))
+    assert_generated_secret(cluster.status())
     prompts = demo_prompt_ids[:4]
     started = time.monotonic()
     results = run_client(cluster, 1, serve.ready["grpc"], prompts, 8, sequential=True)
