@@ -31,6 +31,7 @@ from typing import Any
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import get_placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from common.config import PdserveConfig
 from deploy.commands import SHUTDOWN_GRACE_S, custom_resources, format_status, logical_cpus, parse_scale_targets
@@ -291,8 +292,6 @@ def _create_controller(config: PdserveConfig, options, detached: bool) -> Any:
         print("pdserve: already running on this Ray cluster (see `pdserve status`, stop it with `pdserve down`)",
               file=sys.stderr)
         return None
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
     here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # where pdserve runs, not on any node
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, lifetime="detached" if detached else None, max_restarts=0,

@@ -22,6 +22,7 @@ from typing import TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2 import TemplateError
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
@@ -121,7 +122,7 @@ class OpenAIRoutes:
         except Unavailable as exc:
             raise server_error(503, f"no capacity to serve the request: {exc}") from None
         except Exception as exc:
-            if _is_template_error(exc):  # the chat template refused the conversation
+            if isinstance(exc, TemplateError):  # the chat template refused the conversation
                 raise invalid("messages", f"the model's chat template rejected the messages: {exc}") from None
             raise
         choice = Choice(prep, self.service.tokenizer)
@@ -183,14 +184,6 @@ async def _close_all(*generators) -> None:
     """Runs after a streaming response ends (complete or client gone): closes what is left open."""
     for gen in generators:
         await gen.aclose()
-
-
-def _is_template_error(exc: Exception) -> bool:
-    try:
-        from jinja2 import TemplateError
-    except ImportError:  # pragma: no cover - transformers brings jinja2
-        return False
-    return isinstance(exc, TemplateError)
 
 
 # ---- mounting ----------------------------------------------------------------------------------
