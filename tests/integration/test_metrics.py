@@ -72,12 +72,17 @@ def test_outcomes_match_what_clients_saw(cluster, client):
     with grpc.insecure_channel(cluster.router.address) as channel, pytest.raises(grpc.RpcError) as refused:
         list(pb_grpc.RouterStub(channel).Generate(pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(top_p=2.0)), timeout=30))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    # a client that hangs up mid-stream
+    # clients that hang up mid-stream, over HTTP and over gRPC
     with client.completions.create(prompt=PROMPT, stream=True, **{**short, "max_tokens": 300}) as stream:
         for seen, _ in enumerate(stream, 1):
             if seen == 2:
                 break
-    expected = {"ok": 5, "invalid": 2, "overloaded": 0, "error": 0, "cancelled": 1}
+    with grpc.insecure_channel(cluster.router.address) as channel:
+        long = pb.GenerateRequest(text=PROMPT, sampling=pb.SamplingParams(max_tokens=300, ignore_eos=True))
+        call = pb_grpc.RouterStub(channel).Generate(long, timeout=120)
+        assert next(call).chunk.token_ids and next(call).chunk.token_ids
+        call.cancel()
+    expected = {"ok": 5, "invalid": 2, "overloaded": 0, "error": 0, "cancelled": 2}
     deadline = time.monotonic() + 30  # the router counts the hang-up when it notices it
     while (delta := {o: outcomes(cluster)[o] - before[o] for o in OUTCOMES}) != expected and time.monotonic() < deadline:
         time.sleep(0.2)
