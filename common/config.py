@@ -31,6 +31,7 @@ from common.validation import (
     reject_unknown,
 )
 
+WIRE_DTYPES = ("auto", "native", "int8", "fp8")  # kvtransfer/codec.py (not imported: config stays torch-free)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
 DEFAULT_CONFIG = Path(__file__).parent.parent / "deploy" / "configs" / "local.yaml"
 """Shipped with the `deploy` package (package data), where the docs and scripts point."""
@@ -46,9 +47,16 @@ class KVTransferConfig:
     timeout_s: float = 30.0
     faults: str = ""
     """Test hook, off by default: KV faults prefill workers inject (kvtransfer/faults.py syntax)."""
+    wire_dtype: str = "native"
+    """KV on the wire: native (lossless), int8 or fp8 (lossy, per token-and-head scales, decoded into the
+    receiver's dtype), or auto: int8 to a decode worker whose measured link rate is below compress_below_gbps."""
+    compress_below_gbps: float = 2.0
+    """With wire_dtype auto: compress KV to decode workers whose link rate measured from earlier transfers is below this."""
 
     def validate(self, prefix: str) -> None:
         one_of(f"{prefix}.transport", self.transport, KV_TRANSPORTS)
+        one_of(f"{prefix}.wire_dtype", self.wire_dtype, WIRE_DTYPES)
+        positive_float(f"{prefix}.compress_below_gbps", self.compress_below_gbps)
         positive_float(f"{prefix}.timeout_s", self.timeout_s)
         try:
             parse_faults(self.faults)
@@ -61,6 +69,11 @@ class RouterConfig:
     host: str = "127.0.0.1"
     grpc_port: int = 50051
     http_port: int = 8000
+    internal_host: str = ""
+    """Address of the router's internal gRPC port (the workers' `Registry`); empty: `host`
+    (under Ray: the router's node address). Give the cluster-facing address when `host` is public."""
+    internal_port: int = 0
+    """Port of the internal gRPC server; 0: any free port (reported in the ready line and status)."""
     policy: str = "round_robin"
     max_queued_requests: int = 256
     max_queued_tokens: int = 262144
@@ -84,7 +97,9 @@ class RouterConfig:
     def validate(self, prefix: str) -> None:
         if not isinstance(self.api_keys, list) or not all(isinstance(k, str) and k for k in self.api_keys):
             raise ConfigError(f"{prefix}.api_keys", "must be a list of non-empty strings")
-        for name in ("grpc_port", "http_port"):
+        if not isinstance(self.internal_host, str):
+            raise ConfigError(f"{prefix}.internal_host", "must be a string (empty: the router's host)")
+        for name in ("grpc_port", "http_port", "internal_port"):
             value = getattr(self, name)
             if not isinstance(value, int) or not 0 <= value <= 65535:
                 raise ConfigError(f"{prefix}.{name}", f"must be a port number in [0, 65535] (0 = any free port), got {value!r}")
@@ -227,6 +242,9 @@ class SecurityConfig:
     """PEM CA bundle internal clients verify the servers' certificate against; empty: system roots."""
     tls_server_name: str = ""
     """Name internal clients expect in the certificate, whatever address they dial; empty: the address's host."""
+    allow_unauthenticated: bool = False
+    """Let a plain process (`python -m router|prefill_worker|decode_worker`) with no secret bind a
+    non-loopback address (logged as a WARNING). `pdserve serve|up` always have a secret."""
 
     def validate(self, prefix: str) -> None:
         for name in ("shared_secret", "shared_secret_file", "tls_cert_file", "tls_key_file", "tls_ca_file", "tls_server_name"):
@@ -235,6 +253,8 @@ class SecurityConfig:
         if self.shared_secret and self.shared_secret_file:
             raise ConfigError(f"{prefix}.shared_secret_file", "set shared_secret or shared_secret_file, not both")
         self._validate_secret(prefix)
+        if not isinstance(self.allow_unauthenticated, bool):
+            raise ConfigError(f"{prefix}.allow_unauthenticated", f"must be true or false, got {self.allow_unauthenticated!r}")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
             missing = "tls_key_file" if self.tls_cert_file else "tls_cert_file"
             raise ConfigError(f"{prefix}.{missing}", "TLS needs both tls_cert_file and tls_key_file")

@@ -66,6 +66,8 @@ class RegistrationLoop:
                 registered = False
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # misconfigured: say so, not just retry
                     log.warning("router %s refused us: %s (is security.shared_secret the same?)", self.router_address, exc.details())
+                elif exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # our id is live at another address
+                    log.warning("router %s refused us: %s", self.router_address, exc.details())
                 else:
                     log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
             await asyncio.sleep(self.interval_s)

@@ -16,13 +16,18 @@ TLS files are read once) and uses it for everything that crosses the network ins
                                 KV receiver checks them with (kvtransfer.wire.sign_begin)
   `security.uvicorn_ssl()`      ssl_certfile / ssl_keyfile for the router's HTTP server
 
-With no secret and no certificate every helper degrades to today's plaintext, unauthenticated
-behaviour. The public API (Router/Generate, HTTP /v1) is governed by API keys, not by the secret.
+With no secret and no certificate every helper degrades to plaintext, unauthenticated calls; a
+process may then bind loopback addresses only (`security.require_secret_for`) unless the config says
+`security.allow_unauthenticated: true`. Under Ray a deployment always has a secret: the configured
+one, else one the controller generates and hands to its actors (`from_config(..., handed=...)`).
+The public API (Router/Generate, HTTP /v1) is governed by API keys, never by the secret, and API
+keys never open an internal service.
 """
 
 from __future__ import annotations
 
 import hmac
+import ipaddress
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -67,10 +72,11 @@ class Security:
     """Name the clients expect in the servers' certificate, whatever address they dial."""
 
     @classmethod
-    def from_config(cls, config: Any) -> Security:
-        """From a `common.config.SecurityConfig` (duck-typed: anything with its fields)."""
+    def from_config(cls, config: Any, handed: str = "") -> Security:
+        """From a `common.config.SecurityConfig` (duck-typed: anything with its fields); `handed`:
+        the deployment's generated secret, given by the host (a Ray actor) when none is configured."""
         return cls(
-            secret=resolve_secret(config.shared_secret, config.shared_secret_file),
+            secret=resolve_secret(config.shared_secret, config.shared_secret_file) or handed,
             tls_cert=_read_optional(config.tls_cert_file),
             tls_key=_read_optional(config.tls_key_file),
             tls_ca=_read_optional(config.tls_ca_file),
@@ -118,9 +124,37 @@ class Security:
         services = frozenset(protected_services)
         return [SecretCheck(self.secret, services)] if self.secret and services else []
 
+    def require_secret_for(self, hosts: Iterable[str], allow_unauthenticated: bool, who: str) -> None:
+        """Refuse (InsecureBind) to serve a non-loopback address without a secret, unless allowed,
+        and then say so loudly: anyone who reaches such a port could join or call the cluster."""
+        if self.secret:
+            return
+        exposed = sorted({h for h in hosts if not is_loopback(h)})
+        if allow_unauthenticated:
+            log.warning("%s runs WITHOUT a cluster secret (security.allow_unauthenticated: true): any process that "
+                        "reaches %s can register as a worker or call the workers", who, ", ".join(exposed) or "its ports")
+            return
+        if exposed:
+            raise InsecureBind(f"security.shared_secret: {who} would serve {', '.join(exposed)} without a cluster secret; "
+                               "set security.shared_secret_file (or PDSERVE_SHARED_SECRET), bind 127.0.0.1, or set "
+                               "security.allow_unauthenticated: true to accept the risk")
+
     def uvicorn_ssl(self) -> dict[str, str]:
         """uvicorn.Config keyword arguments for HTTPS; empty without TLS."""
         return {"ssl_certfile": self.tls_cert_file, "ssl_keyfile": self.tls_key_file} if self.tls else {}
+
+
+class InsecureBind(ValueError):
+    """A non-loopback bind without a cluster secret (see `Security.require_secret_for`)."""
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def check_secret(expected: str, presented: str | bytes | None) -> bool:

@@ -8,7 +8,8 @@ Every drain (router, workers, their Ray actors) waits for its requests with `wai
 
 A server hosted inside another process (a Ray actor, deploy/hosting.py) gets a `ServerControl`
 instead: its ready info and live objects are handed to the host, and the host stops it by setting
-`control.stop` (signals belong to the process's main thread, which is not the server's).
+`control.stop` (signals belong to the process's main thread, which is not the server's), and may
+hand it the deployment's cluster secret (`control.handed_secret`).
 """
 
 from __future__ import annotations
@@ -37,9 +38,11 @@ class ServerControl:
     """Host side of an embedded server: learn when it is ready (info + handles), ask it to stop.
 
     Created by the host; `stop` must be set on the server's event loop (`request_stop` does that
-    from any thread once `bind` was called by the server coroutine)."""
+    from any thread once `bind` was called by the server coroutine). `handed_secret`: the cluster
+    secret the host was given (deploy/controller.py generates one when none is configured)."""
 
-    def __init__(self) -> None:
+    def __init__(self, handed_secret: str = "") -> None:
+        self.handed_secret = handed_secret
         self.stop = asyncio.Event()
         self.info: dict[str, Any] = {}
         self.handles: dict[str, Any] = {}

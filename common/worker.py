@@ -1,11 +1,12 @@
 """The process both worker packages run: `run_worker` around the parts each worker builds itself.
 
 Lifecycle: parse flags and load the YAML config once (`worker_main`), resolve the cluster
-security, let the worker build its parts (`WorkerParts`: engine, KV endpoint, servicer; the
-prefill worker's sender or the decode worker's receiver signs or checks transfer headers with the
-cluster secret), bind the gRPC server (TLS and the secret check of common/security.py when
-configured), announce the ready line, optionally register with the router and heartbeat, serve
-until SIGTERM, drain (the servicer's `drain`), deregister, close the parts.
+security (a non-loopback bind without a secret is refused unless allowed), let the worker build
+its parts (`WorkerParts`: engine, KV endpoint, servicer; the prefill worker's sender or the decode
+worker's receiver signs or checks transfer headers with the cluster secret), bind the gRPC server
+(TLS and the secret check of common/security.py when configured), announce the ready line,
+optionally register with the router's internal port and heartbeat, serve until SIGTERM, drain
+(the servicer's `drain`), deregister, close the parts.
 Under Ray (deploy/actors.py) the same `run_worker` runs inside an actor with a `ServerControl`:
 the ready info goes to the actor instead of stdout and the actor, not a signal, stops it.
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import uuid
 from collections.abc import Awaitable, Callable
@@ -27,7 +29,7 @@ import grpc
 
 from common.config import PdserveConfig, load_config
 from common.registration import RegistrationLoop
-from common.security import Security
+from common.security import InsecureBind, Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 
 
@@ -57,7 +59,8 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
     parser.add_argument("--kv-port", type=int, default=0, help="decode: KV receiver port (0: any free port)")
     parser.add_argument("--worker-id", default=None)
-    parser.add_argument("--router", default=None, help="router HOST:PORT to register with")
+    parser.add_argument("--router", default=None, help="the router's internal HOST:PORT (its ready line's "
+                        "internal_address) to register with")
     parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
 
@@ -67,13 +70,19 @@ def worker_main(role: str, serve: Serve, argv: list[str] | None = None) -> int:
     args = parse_args(role, argv)
     configure_logging(args.log_level)
     config = load_config(args.config)
-    asyncio.run(serve(config, args, args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"))
+    try:
+        asyncio.run(serve(config, args, args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"))
+    except InsecureBind as exc:
+        logging.getLogger(__name__).error("%s", exc)
+        return 2
     return 0
 
 
 async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
                      control: ServerControl | None = None) -> None:
-    security = Security.from_config(config.security)
+    security = Security.from_config(config.security, control.handed_secret if control is not None else "")
+    hosts = [args.host, *([config.kv_transfer.host] if role == "decode" else [])]
+    security.require_secret_for(hosts, config.security.allow_unauthenticated, f"{role} worker {worker_id}")
     parts = await build(config, args, worker_id, security)
     registration = None
     try:

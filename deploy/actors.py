@@ -13,9 +13,12 @@ Lifecycle of a worker actor (created by the controller in its own placement grou
   `stop()`   drain and stop (shutdown; the router has already stopped admitting)
 The controller kills the actor and removes its placement group afterwards.
 
-Security (common/security.py) travels inside `config.security`: each actor resolves the shared
-secret itself (YAML value, `shared_secret_file` on its node, or PDSERVE_SHARED_SECRET in the
-environment Ray gave it) and reads the TLS files on its node, so the secret need not be pickled.
+Security (common/security.py): a configured secret is resolved by each actor itself (YAML value,
+`shared_secret_file` on its node, or PDSERVE_SHARED_SECRET in the environment Ray gave it), and
+TLS files are read on its node. With none configured, the controller generates one per deployment
+and hands it to every actor as a constructor argument (`HandedSecret`, whose repr hides it): never
+on a command line, in the environment, in runtime_env (which Ray shows in its dashboard and logs
+in runtime_env_setup logs) or in the config.
 
 The router actor: `start()`, `pool_view()` (its registry: who is registered and healthy),
 `latency_buckets()` (TTFT / ITL histograms for the autoscaler), `summary()`, `drain()` (stop
@@ -34,6 +37,7 @@ from typing import Any
 import ray
 
 from common.config import PdserveConfig
+from common.secrets import HandedSecret
 from common.serving import ServerControl, configure_logging, wait_idle
 from deploy.hosting import ServerThread
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -65,8 +69,10 @@ def _stats_dict(message) -> dict[str, Any]:
 
 
 class WorkerActor:
-    def __init__(self, role: str, config: PdserveConfig, worker_id: str, bind_host: str | None, log_level: str = "WARNING"):
+    def __init__(self, role: str, config: PdserveConfig, worker_id: str, bind_host: str | None, log_level: str = "WARNING",
+                 secret: HandedSecret | None = None):
         _setup_process(log_level)
+        self._secret = secret.value if secret is not None else ""
         self._serve = _worker_serve(role)  # torch + transformers load while the router starts
         self.role, self.worker_id = role, worker_id
         self.host = bind_host or _node_ip()
@@ -75,13 +81,14 @@ class WorkerActor:
         self.server: ServerThread | None = None
 
     def start(self, router_address: str) -> dict[str, Any]:
-        """Build the engine, serve, register with the router at `router_address`; the ready info."""
+        """Build the engine, serve, register with the router's internal port at `router_address`;
+        the ready info."""
         args = argparse.Namespace(host=self.host, port=0, kv_port=0, router=router_address)
 
         async def main(control: ServerControl) -> None:
             await self._serve(self.config, args, self.worker_id, control)
 
-        self.server = ServerThread(self.worker_id, main)
+        self.server = ServerThread(self.worker_id, main, self._secret)
         info = self.server.start()
         return {**info, "pid": os.getpid(), "node_ip": _node_ip()}
 
@@ -120,17 +127,21 @@ class WorkerActor:
 
 
 class RouterActor:
-    def __init__(self, config: PdserveConfig, bind_host: str | None, log_level: str = "WARNING"):
+    def __init__(self, config: PdserveConfig, bind_host: str | None, log_level: str = "WARNING",
+                 secret: HandedSecret | None = None):
         _setup_process(log_level)
         host = bind_host or _node_ip()
-        args = argparse.Namespace(host=host, grpc_port=None, http_port=None, prefill=[], decode=[])
+        # the Registry is for the cluster: on its node's address even when the public port is a wildcard
+        internal = config.router.internal_host or (_node_ip() if host in ("0.0.0.0", "::") else host)
+        args = argparse.Namespace(host=host, grpc_port=None, http_port=None, internal_host=internal, internal_port=None,
+                                  prefill=[], decode=[])
 
         async def main(control: ServerControl) -> None:
             from router.main import serve  # the router actor's process only (transformers: the tokenizer)
 
             await serve(config, args, control)
 
-        self.server = ServerThread("router", main)
+        self.server = ServerThread("router", main, secret.value if secret is not None else "")
 
     def start(self) -> dict[str, Any]:
         info = self.server.start()

@@ -106,8 +106,11 @@ def parse_scale_targets(specs: list[str]) -> dict[str, int]:
 
 def format_status(report: dict) -> str:
     r = report["router"]
-    lines = [(f"router   grpc={r.get('grpc')}  http={r.get('http')}  {r.get('health')}  "
+    lines = [(f"router   grpc={r.get('grpc')}  http={r.get('http')}  internal={r.get('internal')}  {r.get('health')}  "
               f"in_flight={r.get('in_flight_requests', '?')}")]
+    sec = report.get("security")
+    if sec:
+        lines.append(f"security authenticated ({sec['secret']})  tls={'on' if sec['tls'] else 'off'}")
     for role, pool in report["pools"].items():
         lines.append(f"{role:<8} {pool['replicas']} worker(s)  [min {pool['min_replicas']}, max {pool['max_replicas']}]")
         for w in pool["workers"]:

@@ -30,6 +30,7 @@ import ray
 from ray.exceptions import RayActorError
 
 from common.config import PdserveConfig
+from common.secrets import SECRET_ENV, HandedSecret, generate_secret, secret_source
 from deploy.actors import RouterActor, WorkerActor
 from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
 from deploy.placement import Placement, dispose, wait_ref
@@ -82,6 +83,7 @@ class Controller:
         self.latency: dict[str, float | None] = {"ttft": None, "itl": None}
         self.stopping = False
         self.placement = Placement(options.detached)
+        self._secret, self.authentication = deployment_secret(config)
 
     # ---- lifecycle ------------------------------------------------------------------------------
     async def start(self) -> dict:
@@ -134,6 +136,7 @@ class Controller:
             "http": f"{'https' if self.config.security.tls_cert_file else 'http'}://{host}:{info.get('http_port')}",
             "grpc_port": info.get("grpc_port"),
             "http_port": info.get("http_port"),
+            "internal": info.get("internal_address"),
         }
 
     # ---- scaling ------------------------------------------------------------------------------
@@ -184,10 +187,10 @@ class Controller:
             if self.stopping:
                 raise RuntimeError("pdserve is shutting down")
             slot.actor = RemoteWorker.options(**self.placement.actor_options(worker_id, slot.pg), max_concurrency=8).remote(
-                pool.role, self.config, worker_id, self.options.bind_host, self.options.log_level
+                pool.role, self.config, worker_id, self.options.bind_host, self.options.log_level, self._secret
             )
             await self._router_task  # the router's address (raises if the router failed)
-            slot.info = await wait_ref(slot.actor.start.remote(self.router_info["address"]), START_TIMEOUT_S)
+            slot.info = await wait_ref(slot.actor.start.remote(self.router_info["internal_address"]), START_TIMEOUT_S)
             await self._wait_registered(worker_id)
             slot.state = "ready"
             log.info("worker %s ready at %s", worker_id, slot.info.get("address"))
@@ -237,7 +240,7 @@ class Controller:
         bind = cfg.host if cfg.host in WILDCARDS else self.options.bind_host
         self.router_pg = await self.placement.group("router", self.placement.bundle(cfg.num_cpus, 0, cfg.resources), "PACK")
         self.router = RemoteRouter.options(**self.placement.actor_options("router", self.router_pg), max_concurrency=8).remote(
-            self.config, bind, self.options.log_level
+            self.config, bind, self.options.log_level, self._secret
         )
         try:
             info = await wait_ref(self.router.start.remote(), START_TIMEOUT_S)
@@ -246,7 +249,9 @@ class Controller:
             self.router = self.router_pg = None
             raise
         host = info["address"].rsplit(":", 1)[0]
-        self.router_info = {**info, "host": host, "address": f"{info['node_ip'] if host in WILDCARDS else host}:{info['grpc_port']}"}
+        internal = info["internal_address"].rsplit(":", 1)[0]
+        self.router_info = {**info, "host": host, "address": f"{info['node_ip'] if host in WILDCARDS else host}:{info['grpc_port']}",
+                            "internal_address": f"{info['node_ip'] if internal in WILDCARDS else internal}:{info['internal_port']}"}
 
     async def _wait_registered(self, worker_id: str) -> None:
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
@@ -349,6 +354,18 @@ class Controller:
             "latency": {"quantile": scaler.latency_quantile, "ttft_s": self.latency["ttft"], "itl_s": self.latency["itl"]},
             "pressure": {role: pool.autoscaler.last_pressure for role, pool in self.pools.items()},
         }
-        return {"router": router, "pools": pools, "autoscaler": autoscaler, "events": list(self.events)[-10:]}
+        return {"router": router, "pools": pools, "autoscaler": autoscaler, "events": list(self.events)[-10:],
+                "security": self.authentication}
 
 
+
+
+def deployment_secret(config: PdserveConfig) -> tuple[HandedSecret | None, dict[str, Any]]:
+    """The secret to hand to the actors (None: a configured one, which each actor resolves itself;
+    else a fresh one for this deployment) and how the deployment is authenticated (for `status`)."""
+    sec = config.security
+    configured, source = secret_source(sec.shared_secret, sec.shared_secret_file)
+    where = source if source == SECRET_ENV else f"security.{source}"
+    handed = None if configured else HandedSecret(generate_secret())
+    return handed, {"authenticated": True, "secret": f"configured ({where})" if configured else "generated for this deployment",
+                    "tls": bool(sec.tls_cert_file)}

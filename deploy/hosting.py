@@ -23,10 +23,10 @@ T = TypeVar("T")
 
 
 class ServerThread:
-    def __init__(self, name: str, main: Callable[[ServerControl], Awaitable[None]]):
+    def __init__(self, name: str, main: Callable[[ServerControl], Awaitable[None]], handed_secret: str = ""):
         self.name = name
         self._main = main
-        self.control = ServerControl()
+        self.control = ServerControl(handed_secret)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._done = threading.Event()

@@ -287,8 +287,12 @@ def _create_controller(config: PdserveConfig, options, detached: bool) -> Any:
         print("pdserve: already running on this Ray cluster (see `pdserve status`, stop it with `pdserve down`)",
               file=sys.stderr)
         return None
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)  # where pdserve runs, not on any node
     return ray.remote(Controller).options(
         name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0, lifetime="detached" if detached else None, max_restarts=0,
+        scheduling_strategy=here,
     ).remote(config, options)
 
 

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Self
 
 from engine.kv_cache import KVCache
-from kvtransfer import checksum, errors
+from kvtransfer import checksum, codec, errors
 from kvtransfer.buffers import K, PoolTarget, V
 from kvtransfer.errors import ErrorCode, KVTransferError
 from kvtransfer.messages import KVEndpoint, ReceivedKV, ReceiverStats
@@ -51,7 +51,7 @@ class _Transfer:
     channel: Channel | None = None
     stream: int = -1
     header: TransferHeader | None = None
-    target: PoolTarget | None = None
+    target: PoolTarget | codec.WireTarget | None = None
     begun_at: float = 0.0
     layer_crcs: dict[int, int] = field(default_factory=dict)
     layers_seen: set[int] = field(default_factory=set)
@@ -231,6 +231,8 @@ class KVReceiver:
         problem = self._check_header(xfer, header)
         if problem is not None:
             self._fail(xfer, problem)
+        elif xfer.target is not None:
+            xfer.target = codec.target_for(xfer.target, header.wire_dtype)  # compressed: staged, decoded on commit
 
     def _refuse(self, channel: Channel, stream: int, header: TransferHeader, reason: str) -> None:
         """An unauthenticated BEGIN: answer UNAUTHENTICATED and leave the expected transfer of that
@@ -247,6 +249,8 @@ class KVReceiver:
             )
         if not checksum.is_supported(header.checksum):
             return errors.ProtocolError(f"checksum {header.checksum!r} is not supported here", xfer.transfer_id)
+        if header.wire_dtype not in codec.WIRE_DTYPES[1:]:
+            return errors.ProtocolError(f"wire dtype {header.wire_dtype!r} is not supported here", xfer.transfer_id)
         layout_problem = header.layout_mismatch(self.cache.layout)
         if layout_problem is not None:
             return errors.ShapeMismatch(layout_problem, xfer.transfer_id)

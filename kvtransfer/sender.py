@@ -36,8 +36,7 @@ from typing import Any, Self
 import torch
 
 from engine.kv_cache import KVCache
-from kvtransfer import checksum
-from kvtransfer.buffers import tensor_bytes
+from kvtransfer import checksum, codec
 from kvtransfer.connection import Connection
 from kvtransfer.errors import ErrorCode, KVTransferError, ProtocolError, ShapeMismatch, TransferAborted, TransferTimeout, error_from_code
 from kvtransfer.faults import FaultInjector
@@ -75,6 +74,7 @@ class OutgoingTransfer:
         self.endpoint = endpoint
         self.header = header
         self.ack_timeout = ack_timeout
+        self.network_s = 0.0  # time blocked sending layers (kvtransfer.codec.WirePolicy's link rate)
         self.started_at = time.monotonic()
         self._queue: asyncio.Queue[_Layer | _Finish | _Abort] = asyncio.Queue()
         self._caller_done = False  # finish() or abort() was called
@@ -152,7 +152,8 @@ class OutgoingTransfer:
         try:
             conn = await self.sender._connection(self.endpoint)
             peer_checksums = conn.channel.hello.checksums if conn.channel.hello else ()
-            self.header = replace(self.header, checksum=checksum.choose(peer_checksums, self.sender.checksums))
+            self.header = replace(self.header, checksum=checksum.choose(peer_checksums, self.sender.checksums),
+                                  wire_dtype=self.sender.wire.choose(self.endpoint.host))
             stream, result = conn.open_stream()
             await conn.channel.send(Frame(FrameKind.BEGIN, stream, sign_begin(self.header.encode(), self.sender.secret)))
             crcs: dict[int, int] = {}
@@ -172,11 +173,13 @@ class OutgoingTransfer:
                     trailer = Trailer(item.first_token, len(crcs), digest(layer_sums, self.header.checksum), item.logprob, item.top_logprobs)
                     await conn.channel.send(Frame(FrameKind.TRAILER, stream, trailer.encode()))
                     break
+            tail = time.monotonic()
             try:
                 outcome = await asyncio.wait_for(result, self.ack_timeout)
             except TimeoutError:
                 raise TransferTimeout(f"no RESULT from {self.endpoint.host}:{self.endpoint.port} within {self.ack_timeout}s", tid) from None
             self._raise_for(outcome)
+            self.sender.wire.record(self.endpoint.host, self.header.nbytes, self.network_s + time.monotonic() - tail)
             ack = TransferAck(tid, self.header.nbytes, len(crcs), time.monotonic() - self.started_at)
             self.sender.stats.acked += 1
             return ack
@@ -235,7 +238,7 @@ class OutgoingTransfer:
         raise error_from_code(outcome.code, f"receiver: {outcome.message}", self.transfer_id)
 
     async def _send_layer(self, channel: Channel, stream: int, item: _Layer) -> int:
-        parts = [tensor_bytes(item.k), tensor_bytes(item.v)]
+        parts = codec.encode_parts(item.k, item.v, self.header.head_dim, self.header.wire_dtype)
         size = self.header.bytes_per_part
         if len(parts[0]) != size or len(parts[1]) != size:
             raise ShapeMismatch(
@@ -246,7 +249,9 @@ class OutgoingTransfer:
         if wire is None:
             return crc
         meta = LayerMeta(item.layer, size, size, crc)
+        sending = time.monotonic()
         await channel.send(Frame(FrameKind.LAYER, stream, meta.encode(), tuple(len(p) for p in wire)), wire)
+        self.network_s += time.monotonic() - sending
         self.sender.stats.bytes_sent += sum(len(p) for p in wire)
         return crc
 
@@ -282,6 +287,7 @@ class KVSender:
         transport_options: dict[str, dict[str, Any]] | None = None,
         checksums: tuple[str, ...] | None = None,
         secret: str | bytes = b"",
+        wire: codec.WirePolicy | None = None,
     ):
         self.connect_timeout = connect_timeout
         self.ack_timeout = ack_timeout
@@ -289,6 +295,7 @@ class KVSender:
         self.checksums = checksums  # preference order; None: fastest available (crc32c, crc32)
         self.secret = secret.encode() if isinstance(secret, str) else bytes(secret)  # signs BEGIN (wire.sign_begin)
         self.stats = SenderStats()
+        self.wire = wire or codec.WirePolicy()  # wire dtype per transfer (kvtransfer/codec.py)
         self._transport_options = transport_options or {}
         self._transports: dict[str, Transport] = {}
         self._connections: dict[tuple[str, str, int], Connection] = {}

@@ -13,8 +13,10 @@ A frame is a fixed prelude, the sizes of its payload parts, a body, then the par
 One transfer is one *stream* on a connection (the sender numbers its streams):
 
     HELLO    receiver -> sender once per connection: version, transport, connection number,
-             checksums it can verify, data-plane address (UCX worker address; empty for tcp)
-    BEGIN    header: transfer id, model fingerprint, token count, KV layout, checksum algorithm;
+             checksums it can verify, data-plane address (UCX worker address; empty for tcp),
+             host id (kernel + namespaces: UCX uses shared memory only between equal ids)
+    BEGIN    header: transfer id, model fingerprint, token count, KV layout, checksum algorithm,
+             wire dtype (native, int8, fp8: kvtransfer/codec.py);
              with a shared secret, then a nonce and an HMAC-SHA256 over header and nonce
     LAYER    layer index, K bytes, V bytes, checksum of K||V; parts = [K, V]
     TRAILER  first sampled token, number of layers, digest = checksum over the layer checksums;
@@ -23,7 +25,8 @@ One transfer is one *stream* on a connection (the sender numbers its streams):
     RESULT   receiver -> sender: ErrorCode (OK or why it failed) and a message
 
 K and V of a layer are the request's `num_tokens` rows of `[num_kv_heads, head_dim]` in token
-order, i.e. exactly `KVCache.read_tokens(layer, block_ids, num_tokens)` as contiguous bytes.
+order, i.e. exactly `KVCache.read_tokens(layer, block_ids, num_tokens)` as contiguous bytes
+(native), or that encoded by kvtransfer/codec.py; checksums cover the bytes on the wire.
 """
 
 from __future__ import annotations
@@ -41,11 +44,12 @@ from typing import Any
 import torch
 
 from engine.kv_cache import KVLayout
+from kvtransfer import codec
 from kvtransfer.checksum import compute as compute_checksum
 from kvtransfer.errors import ErrorCode, ProtocolError
 
 MAGIC = 0x4B56  # "KV"
-WIRE_VERSION = 1
+WIRE_VERSION = 2  # 2: HELLO carries the receiver's host id, BEGIN the wire dtype
 
 PRELUDE = struct.Struct("!HBBIIIH2x")
 MAX_PARTS = 16
@@ -132,12 +136,14 @@ def _unpack_str(data: bytes, offset: int) -> tuple[bytes, int]:
 @dataclass(frozen=True)
 class Hello:
     """Receiver's greeting: protocol and transport check, the checksums it can verify, and
-    the data-plane bootstrap (UCX worker address)."""
+    the data-plane bootstrap (UCX worker address, and the receiver's `host_id`: which kernel
+    and namespaces it runs in, so a sender picks same-host transports only for a true peer)."""
 
     transport: str
     connection: int
     checksums: tuple[str, ...] = ("crc32",)
     data_address: bytes = b""
+    host_id: str = ""
 
     def encode(self) -> bytes:
         return (
@@ -145,6 +151,7 @@ class Hello:
             + _pack_str(self.transport)
             + _pack_str(",".join(self.checksums))
             + _pack_str(self.data_address)
+            + _pack_str(self.host_id)
         )
 
     @classmethod
@@ -155,8 +162,9 @@ class Hello:
                 raise ProtocolError(f"peer speaks wire version {version}, we speak {WIRE_VERSION}")
             transport, off = _unpack_str(body, 6)
             checksums, off = _unpack_str(body, off)
-            address, _ = _unpack_str(body, off)
-            return cls(transport.decode(), connection, tuple(checksums.decode().split(",")), address)
+            address, off = _unpack_str(body, off)
+            host_id, _ = _unpack_str(body, off)
+            return cls(transport.decode(), connection, tuple(checksums.decode().split(",")), address, host_id.decode())
         except (struct.error, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed HELLO: {exc}") from None
 
@@ -178,6 +186,7 @@ class TransferHeader:
     block_size: int
     dtype: str
     checksum: str = "crc32"  # algorithm of LayerMeta.crc and Trailer.digest (kvtransfer.checksum)
+    wire_dtype: str = "native"  # how K/V travel (kvtransfer.codec); decoded into `dtype` on arrival
 
     _FIXED = struct.Struct("!IHHHH")
 
@@ -200,8 +209,8 @@ class TransferHeader:
 
     @property
     def bytes_per_part(self) -> int:
-        """Bytes of K (or of V) of one layer."""
-        return self.num_tokens * self.num_kv_heads * self.head_dim * self.element_size
+        """Bytes on the wire of K (or of V) of one layer."""
+        return codec.part_nbytes(self.num_tokens, self.num_kv_heads, self.head_dim, self.element_size, self.wire_dtype)
 
     @property
     def nbytes(self) -> int:
@@ -225,6 +234,7 @@ class TransferHeader:
             + _pack_str(self.transfer_id)
             + _pack_str(self.fingerprint)
             + _pack_str(self.checksum)
+            + _pack_str(self.wire_dtype)
         )
 
     @classmethod
@@ -240,9 +250,11 @@ class TransferHeader:
             dtype, off = _unpack_str(body, cls._FIXED.size)
             transfer_id, off = _unpack_str(body, off)
             fp, off = _unpack_str(body, off)
-            algorithm, end = _unpack_str(body, off)
+            algorithm, off = _unpack_str(body, off)
+            wire_dtype, end = _unpack_str(body, off)
             header = cls(
-                transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode(), algorithm.decode()
+                transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode(), algorithm.decode(),
+                wire_dtype.decode(),
             )
         except (struct.error, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed BEGIN: {exc}") from None

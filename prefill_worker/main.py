@@ -18,6 +18,7 @@ from common.worker import WorkerParts, run_worker, worker_main
 from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import FaultInjector, KVSender, fingerprint
+from kvtransfer.codec import WirePolicy
 from kvtransfer.faults import FaultPoint
 from prefill_worker.service import LayerStreamer, PrefillService
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -32,7 +33,8 @@ async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str,
     engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer))
     engine.start()
     model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
-    sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret)
+    sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret,
+                      wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
     service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)
 
     async def close() -> None:

@@ -4,7 +4,8 @@
 separate `python -m ...` processes with OS-assigned ports, waits for each one's ready line, and
 on `stop()` sends SIGTERM (then SIGKILL) to everything it started. Fault tests use
 `send_signal` (SIGKILL / SIGSTOP / SIGCONT one process), `replace` (start a fresh copy of a killed worker),
-`restart_router` (same gRPC port, so registered workers find it again) and `metrics`.
+`restart_router` (same gRPC ports, so registered workers find its internal port again) and `metrics`.
+Workers register at the router's internal address (its ready line's `internal_address`).
 """
 
 from __future__ import annotations
@@ -57,9 +58,11 @@ class Proc:
         raise AssertionError(f"{self.name} never logged {text!r}:\n" + "\n".join(self.log_lines[-20:]))
 
 
-def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0) -> Proc:
+def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0,
+                  prefix: list[str] | None = None) -> Proc:
+    """`python ARGS` (after `prefix`, e.g. `ip netns exec NS`), once it printed its ready line."""
     popen = subprocess.Popen(
-        [sys.executable, *args],
+        [*(prefix or []), sys.executable, *args],
         cwd=REPO,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -127,7 +130,7 @@ class LocalCluster:
             cfg = ["-c", str(self.config_path)]
             if self.register:
                 self.router = start_process("router", ["-m", "router", *cfg, "--grpc-port", "0", "--http-port", "0"], self.env)
-                extra = ["--router", self.router.address]
+                extra = ["--router", self.router.ready["internal_address"]]
             else:
                 extra = []
             for i in range(self.num_decode):
@@ -182,12 +185,15 @@ class LocalCluster:
         return fresh
 
     def restart_router(self, sig: signal.Signals = signal.SIGKILL) -> float:
-        """Stop the router with `sig` and start a new one on the same gRPC port; returns when the
-        old one was signalled. Registered workers re-register with the new one on their own."""
+        """Stop the router with `sig` and start a new one on the same gRPC ports (public and
+        internal); returns when the old one was signalled. Registered workers re-register with
+        the new one on their own."""
         old = self.router
-        port = str(old.ready["grpc_port"])
         args = list(old.args)
-        args[args.index("--grpc-port") + 1] = port
+        if "--internal-port" in args:  # restarted before
+            del args[args.index("--internal-port"):args.index("--internal-port") + 2]
+        args[args.index("--grpc-port") + 1] = str(old.ready["grpc_port"])
+        args += ["--internal-port", str(old.ready["internal_port"])]
         sent = self.send_signal(old, sig)
         old.popen.wait(30)
         self.router = start_process("router", args, old.env)

@@ -19,6 +19,14 @@ Choices, measured with ucxx 0.52 / UCX 1.21 on this 2-core VM (see bench/kvtrans
   control connection instead (EOF/RST arrive at once), and the control listener binds the
   host we choose (the ucxx listener binds every interface). Across hosts the same worker
   address selects UCX's network transports.
+* Which transports, per peer: the receiver's HELLO carries its `host_id()` (boot id and the
+  net/IPC/PID namespace inodes). Only a sender with the same id uses the worker with every
+  transport; any other uses a second worker without shared memory (`UCX_TLS=^shm`). UCX itself
+  judges "same host" by the kernel alone, so between two network namespaces on one kernel
+  (two pods on a node) it picked sysv/CMA, whose wake-up sockets do not cross namespaces:
+  every transfer hung. Endpoint closes never block (a peer that never answers cannot stall
+  the loop), and progress runs in bounded batches, so a transfer whose payload never arrives
+  ends with the receiver's timeout and the control connection's drop.
 * Progress: ucxx's asyncio modes busy-wait. Its "blocking" mode never re-arms the worker after
   the first event, so the loop spins on a readable fd forever after the first message, and
   `UCXRequest.wait()` polls with `asyncio.sleep(0)` while a request is outstanding: an idle
@@ -35,10 +43,12 @@ Choices, measured with ucxx 0.52 / UCX 1.21 on this 2-core VM (see bench/kvtrans
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import weakref
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any, ClassVar
 
 import numpy as np
@@ -61,6 +71,7 @@ _SEQ_BITS = 32
 # _TICK_MAX_S while nothing completes), so a missed wakeup can never stall a transfer.
 _TICK_MIN_S = 0.001
 _TICK_MAX_S = 0.1
+_PROGRESS_BATCH = 256
 assert MAX_PARTS <= 1 << _PART_BITS
 
 
@@ -74,6 +85,29 @@ def _ucx_api() -> tuple[Any, Any, Any]:
     return ucx_api, Array, Tag
 
 
+SAME_HOST = "same-host"
+OTHER_HOST = "other-host"
+_SCOPE_OPTIONS = {SAME_HOST: {}, OTHER_HOST: {"TLS": "^shm"}}
+
+
+@functools.cache
+def host_id() -> str:
+    """Which kernel and namespaces this process runs in. UCX's shared-memory transports (sysv,
+    posix, CMA) and their wake-up sockets need the same kernel, IPC, PID and network namespace;
+    two pods on one node share the kernel (boot id) but not the namespaces."""
+    try:
+        parts = [Path("/proc/sys/kernel/random/boot_id").read_text().strip()]
+        parts += [str(os.stat(f"/proc/self/ns/{ns}").st_ino) for ns in ("net", "ipc", "pid")]
+    except OSError:
+        return ""  # no /proc: never claim to share a host
+    return ":".join(parts)
+
+
+def peer_scope(peer_host_id: str) -> str:
+    same = bool(peer_host_id) and peer_host_id == host_id()
+    return SAME_HOST if same else OTHER_HOST
+
+
 def payload_tag(connection: int, seq: int, part: int) -> int:
     return (connection << (_SEQ_BITS + _PART_BITS)) | (seq << _PART_BITS) | part
 
@@ -81,7 +115,8 @@ def payload_tag(connection: int, seq: int, part: int) -> int:
 class UcxWorker:
     """A UCX worker driven by one asyncio loop, event-driven: no progress thread, no polling."""
 
-    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, UcxWorker]] = weakref.WeakKeyDictionary()
+    _by_loop: ClassVar[weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, dict[str, UcxWorker]]] = (
+        weakref.WeakKeyDictionary())
 
     def __init__(self, loop: asyncio.AbstractEventLoop, options: dict[str, str] | None = None):
         self._api, self._Array, self._Tag = _ucx_api()
@@ -101,11 +136,14 @@ class UcxWorker:
         log.info("UCX worker ready for loop %#x", id(loop))
 
     @classmethod
-    def for_running_loop(cls) -> UcxWorker:
+    def for_running_loop(cls, scope: str = SAME_HOST) -> UcxWorker:
+        """This loop's worker for peers in `scope`: SAME_HOST (every UCX transport) or
+        OTHER_HOST (no shared-memory transports: they only work inside one host)."""
         loop = asyncio.get_running_loop()
-        worker = cls._by_loop.get(loop)
+        workers = cls._by_loop.setdefault(loop, {})
+        worker = workers.get(scope)
         if worker is None or worker._closed:
-            worker = cls._by_loop[loop] = cls(loop)
+            worker = workers[scope] = cls(loop, _SCOPE_OPTIONS[scope])
         return worker
 
     def connect(self, address: bytes) -> Any:
@@ -122,13 +160,16 @@ class UcxWorker:
     def recv(self, buf: Any, tag: int) -> asyncio.Future[None]:
         return self._track(self._worker.tag_recv(self._Array(buf), self._Tag(tag)), buf)
 
-    @staticmethod
-    def abort(ep: Any) -> None:
-        """Close an endpoint at once; sends still queued on it are cancelled."""
+    def abort(self, ep: Any) -> None:
+        """Start closing an endpoint; sends still queued on it are cancelled. Never blocks:
+        a blocking close waits on a peer that may never answer."""
         try:
-            ep.close_blocking(10**8, 1)
+            closing = ep.close()
         except Exception as exc:  # noqa: BLE001 - best effort at teardown
             log.debug("UCX endpoint abort: %s", exc)
+            return
+        if closing is not None:
+            self._track(closing, ep).add_done_callback(lambda f: f.cancelled() or f.exception())
 
     def _track(self, request: Any, buf: Any) -> asyncio.Future[None]:
         future = self.loop.create_future()
@@ -146,8 +187,9 @@ class UcxWorker:
         self._scheduled = False
         if self._closed:
             return
-        while self._worker.progress_once():
-            pass
+        for _ in range(_PROGRESS_BATCH):  # bounded: a peer that never answers must not starve the loop
+            if not self._worker.progress_once():
+                break
         finished = [r for r in self._pending if r.completed]
         self._tick_s = _TICK_MIN_S if finished else min(2 * self._tick_s, _TICK_MAX_S)
         for request in finished:
@@ -198,7 +240,9 @@ class UcxChannel(TcpChannel):
     # --- sender side ----------------------------------------------------------------------
 
     def attach(self, hello: Hello) -> None:
-        """Create the UCX endpoint to the receiver whose HELLO we got."""
+        """Create the UCX endpoint to the receiver whose HELLO we got, from the worker that
+        fits where the receiver runs (same host and namespaces, or not)."""
+        self._worker = UcxWorker.for_running_loop(peer_scope(hello.host_id))
         self._ep = self._worker.connect(hello.data_address)
         self.connection = hello.connection
         self.lost.add_done_callback(lambda _: self._abort_endpoint())
@@ -246,7 +290,7 @@ class UcxChannel(TcpChannel):
     def _abort_endpoint(self) -> None:
         ep, self._ep = self._ep, None
         if ep is not None:
-            UcxWorker.abort(ep)  # cancels sends still queued in UCX
+            self._worker.abort(ep)  # cancels sends still queued in UCX
         for sent in list(self._inflight):
             sent.cancel()
 
@@ -339,7 +383,7 @@ class UcxTransport(TcpTransport):
     async def _hello(self, channel: TcpChannel, connection: int) -> Hello:
         assert isinstance(channel, UcxChannel)
         channel.connection = connection
-        return Hello(self.name, connection, checksum.supported(), UcxWorker.for_running_loop().address)
+        return Hello(self.name, connection, checksum.supported(), UcxWorker.for_running_loop().address, host_id())
 
     async def _on_hello(self, channel: TcpChannel, hello: Hello, timeout: float) -> TcpChannel:
         assert isinstance(channel, UcxChannel)

@@ -136,7 +136,11 @@ def test_plaintext_clients_are_refused_and_https_works(cluster):
 
 def test_stranger_cannot_register(cluster):
     stranger = pb.WorkerInfo(worker_id="stranger", role=pb.ROLE_DECODE, address="127.0.0.1:1", model="smollm2-135m")
-    with cluster.channel(cluster.router.address) as channel:  # the CA is public: TLS alone is no credential
+    with cluster.channel(cluster.router.address) as channel:  # the public port has no Registry at all, secret or not
+        for metadata in (None, SECRET_MD):
+            code = _code(pb_grpc.RegistryStub(channel).Register, pb.RegisterRequest(worker=stranger), metadata=metadata, timeout=10)
+            assert code == grpc.StatusCode.UNIMPLEMENTED
+    with cluster.channel(cluster.router.ready["internal_address"]) as channel:  # the CA is public: TLS alone is no credential
         registry = pb_grpc.RegistryStub(channel)
         for metadata in (None, WRONG_MD):
             refused = pb.RegisterRequest(worker=stranger)
@@ -169,6 +173,21 @@ def test_worker_rpcs_need_the_secret(cluster):
     cluster.assert_no_leaked_blocks()
 
 
+def push_kv_is_refused(endpoint: KVEndpoint, header: TransferHeader, secret: str) -> None:
+    """Push a whole zero KV transfer signed with `secret`: the receiver must refuse it."""
+    zeros = torch.zeros(header.num_tokens, SMOLLM2["num_kv_heads"], SMOLLM2["head_dim"])
+    sender = KVSender(connect_timeout=5.0, ack_timeout=20.0, secret=secret)
+    try:
+        xfer = sender.begin(endpoint, header)
+        for layer in range(SMOLLM2["num_layers"]):
+            xfer.send_layer(layer, zeros, zeros)
+        xfer.finish(first_token=7)
+        with pytest.raises(AuthenticationFailed):
+            xfer.result(timeout=20)
+    finally:
+        sender.close()
+
+
 def test_kv_push_with_wrong_secret_is_refused(cluster, hf_greedy):
     """A stranger who even knows a live transfer id cannot land KV in the decode worker's blocks."""
     decode = cluster.decode[0]
@@ -181,18 +200,8 @@ def test_kv_push_with_wrong_secret_is_refused(cluster, hf_greedy):
         destination = next(call).admission.kv_destination
         endpoint = KVEndpoint(destination.endpoint.host, destination.endpoint.port, destination.endpoint.transport)
         header = TransferHeader(destination.transfer_id, destination.model_fingerprint, len(prompt), **SMOLLM2)
-        zeros = torch.zeros(len(prompt), SMOLLM2["num_kv_heads"], SMOLLM2["head_dim"])
         for secret in (WRONG, ""):
-            sender = KVSender(connect_timeout=5.0, ack_timeout=20.0, secret=secret)
-            try:
-                xfer = sender.begin(endpoint, header)
-                for layer in range(SMOLLM2["num_layers"]):
-                    xfer.send_layer(layer, zeros, zeros)
-                xfer.finish(first_token=7)
-                with pytest.raises(AuthenticationFailed):
-                    xfer.result(timeout=20)
-            finally:
-                sender.close()
+            push_kv_is_refused(endpoint, header, secret)
         call.cancel()  # the victim gives up; its blocks are freed
     refusals = _wait_for_lines(decode, "refusing KV transfer", 2)
     assert all(destination.transfer_id in line for line in refusals)

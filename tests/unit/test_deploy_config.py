@@ -60,6 +60,8 @@ BAD_CONFIGS = [
     ({"kv_transfer": {"transport": "smoke-signals"}}, "kv_transfer.transport"),
     ({"router": {"num_cpus": 0}}, "router.num_cpus"),
     ({"router": {"stall_timeout_s": -1}}, "router.stall_timeout_s"),
+    ({"router": {"internal_port": 70000}}, "router.internal_port"),
+    ({"router": {"internal_host": 5}}, "router.internal_host"),
     ({"autoscaler": {"enabled": "yes"}}, "autoscaler.enabled"),
     ({"autoscaler": {"interval_s": 0}}, "autoscaler.interval_s"),
     ({"autoscaler": {"interval_s": "fast"}}, "autoscaler.interval_s"),
@@ -168,3 +170,18 @@ def test_k8s_manifests_carry_a_valid_config_and_run_pdserve_serve():
     assert ports == {cfg.router.grpc_port, cfg.router.http_port}
     job = yaml.safe_load((REPO / "deploy" / "k8s" / "rayjob.yaml").read_text())
     assert job["kind"] == "RayJob" and job["spec"]["entrypoint"].startswith("pdserve serve --address auto")
+
+
+def test_a_deployment_without_a_configured_secret_gets_a_fresh_one(monkeypatch):
+    from common.secrets import SECRET_ENV
+    from deploy.controller import deployment_secret
+
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    first, auth = deployment_secret(config_from_dict({}))
+    second, _ = deployment_secret(config_from_dict({}))
+    assert len(first.value) >= 32 and first.value != second.value
+    assert auth == {"authenticated": True, "secret": "generated for this deployment", "tls": False}
+    handed, auth = deployment_secret(config_from_dict({"security": {"shared_secret": "x" * 20}}))
+    assert handed is None and auth["secret"] == "configured (security.shared_secret)"  # each actor resolves it
+    monkeypatch.setenv(SECRET_ENV, "y" * 20)
+    assert deployment_secret(config_from_dict({}))[1]["secret"] == f"configured ({SECRET_ENV})"

@@ -82,7 +82,7 @@ def test_bodies_roundtrip() -> None:
     assert Trailer.decode(trailer.encode()) == trailer
     result = Result(ErrorCode.CHECKSUM_MISMATCH, "layer 3")
     assert Result.decode(result.encode()) == result
-    hello = Hello("ucx", 7, ("crc32c", "crc32"), b"\x00addr")
+    hello = Hello("ucx", 7, ("crc32c", "crc32"), b"\x00addr", "boot:1:2:3")
     assert Hello.decode(hello.encode()) == hello
     header = TransferHeader.for_layout("t", LAYOUT, 5, "f")
     assert header.checksum == "crc32"

@@ -22,8 +22,8 @@ from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from common.config import ConfigError, SecurityConfig, config_from_dict
-from common.secrets import SECRET_ENV
-from common.security import Security, sync_channel
+from common.secrets import SECRET_ENV, HandedSecret
+from common.security import InsecureBind, Security, sync_channel
 from common.serving import create_server
 from engine.kv_cache import KVCache, KVLayout
 from kvtransfer import (
@@ -130,6 +130,7 @@ def test_secret_sources_in_order(tmp_path, monkeypatch):
         ({"tls_ca_file": "CA"}, "security.tls_ca_file"),
         ({"tls_server_name": "pdserve.internal"}, "security.tls_server_name"),
         ({"tls": True}, "security.tls"),
+        ({"allow_unauthenticated": "yes"}, "security.allow_unauthenticated"),
     ],
 )
 def test_bad_security_config_names_the_field(section, field, tls_files, tmp_path, monkeypatch):
@@ -247,6 +248,45 @@ async def test_stranger_cannot_register_with_the_router(servers):
     await pb_grpc.RegistryStub(channel).Register(pb.RegisterRequest(worker=info), timeout=5)
     await channel.close()
     assert "stranger" in pool.workers
+
+
+async def test_a_live_worker_id_stays_at_its_address(servers):
+    _, router_addr, tls_sec, pool = servers
+    channel = tls_sec.channel(router_addr)
+    registry = pb_grpc.RegistryStub(channel)
+
+    def register(address: str):
+        return _code_of(registry.Register, pb.RegisterRequest(worker=pb.WorkerInfo(worker_id="d1", role=pb.ROLE_DECODE,
+                                                                                   address=address)), timeout=5)
+    try:
+        assert await register("127.0.0.1:1001") == grpc.StatusCode.OK
+        assert await register("127.0.0.1:1001") == grpc.StatusCode.OK  # the same worker again (router restart)
+        assert await register("127.0.0.1:6666") == grpc.StatusCode.ALREADY_EXISTS  # someone else, same id
+        assert pool.workers["d1"].address == "127.0.0.1:1001"
+        pool.workers["d1"].last_seen -= pool.heartbeat_timeout_s + 1  # silent past the timeout: the id is free
+        assert await register("127.0.0.1:2002") == grpc.StatusCode.OK
+        assert pool.workers["d1"].address == "127.0.0.1:2002"
+    finally:
+        await channel.close()
+
+
+def test_without_a_secret_only_loopback_binds(caplog):
+    open_ = Security()
+    open_.require_secret_for(["127.0.0.1", "::1", "localhost", "127.0.0.2"], False, "router")
+    for host in ("10.0.0.5", "0.0.0.0", "node-1.internal"):
+        with pytest.raises(InsecureBind, match="security.shared_secret"):
+            open_.require_secret_for(["127.0.0.1", host], False, "router")
+    assert not caplog.records
+    open_.require_secret_for(["10.0.0.5"], True, "router")  # allowed, and said loudly
+    assert [r.levelname for r in caplog.records] == ["WARNING"] and "WITHOUT a cluster secret" in caplog.text
+    Security(secret=SECRET).require_secret_for(["10.0.0.5"], False, "router")
+
+
+def test_handed_secret_never_prints_itself():
+    handed = HandedSecret(SECRET)
+    assert SECRET not in repr(handed) and SECRET not in str(handed) and SECRET not in f"{handed} {[handed]}"
+    assert Security.from_config(SecurityConfig(), handed.value).secret == SECRET
+    assert Security.from_config(SecurityConfig(shared_secret=WRONG), handed.value).secret == WRONG  # configured wins
 
 
 async def test_tls_router_refuses_plaintext_and_unknown_ca(servers, tmp_path):
