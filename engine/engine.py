@@ -15,6 +15,7 @@ The engine is single-threaded: use `AsyncEngine` to drive it from asyncio.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -61,6 +62,32 @@ class EngineStats:
     prefix_query_tokens: int
     num_preemptions: int
     steps: int
+    step_seconds: float
+    """Cumulative wall time of the steps that ran the model (mean step time = step_seconds / steps)."""
+    prompt_tokens: int
+    """Cumulative prompt tokens run through the model (prefix-cache hits and received KV excluded)."""
+    generation_tokens: int
+    """Cumulative tokens sampled (a prefill worker's first tokens included)."""
+
+
+@dataclass
+class StepCounters:
+    """The engine's cumulative counters, updated once per step."""
+
+    preemptions: int = 0
+    steps: int = 0
+    step_seconds: float = 0.0
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+
+    def record(self, scheduled: list[ScheduledSeq], num_sampled: int, seconds: float) -> None:
+        """One model step; call before the sequences' computed-token counts advance."""
+        self.steps += 1
+        self.step_seconds += seconds
+        self.generation_tokens += num_sampled
+        for item in scheduled:
+            done, prompt = item.seq.num_computed_tokens, item.seq.num_prompt_tokens
+            self.prompt_tokens += max(0, min(prompt, done + item.num_tokens) - done)
 
 
 class Engine:
@@ -94,8 +121,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
-        self._num_preemptions = 0
-        self._steps = 0
+        self.counters = StepCounters()
         log.info("engine ready: %s, %d KV blocks (%.0f MiB)", self.loaded.path, num_blocks, self.kv_cache.nbytes / 2**20)
 
     # ---- request intake ------------------------------------------------------------------------
@@ -171,17 +197,19 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         outputs, self._pending_outputs = self._pending_outputs, []
         plan = self.scheduler.schedule()
-        self._num_preemptions += len(plan.preempted)
+        self.counters.preemptions += len(plan.preempted)
         if plan.empty:
             return outputs
-        self._steps += 1
+        started = time.perf_counter()
         self._apply_num_threads()
         ordered, logits = self.runner.execute(plan.scheduled, self._layer_hook(plan.scheduled))
         sampling = [s.seq for s in ordered if s.samples]
+        samples = self.sampler.sample(logits, sampling)
+        self.counters.record(ordered, len(sampling), time.perf_counter() - started)
         for item in ordered:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)
-        for seq, sample in zip(sampling, self.sampler.sample(logits, sampling)):
+        for seq, sample in zip(sampling, samples):
             out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
             self._emit(seq, sample, out)
             if seq.state.finished:
@@ -202,8 +230,11 @@ class Engine:
             total_blocks=self.blocks.num_blocks,
             prefix_hit_tokens=self.blocks.prefix_stats.hit_tokens,
             prefix_query_tokens=self.blocks.prefix_stats.query_tokens,
-            num_preemptions=self._num_preemptions,
-            steps=self._steps,
+            num_preemptions=self.counters.preemptions,
+            steps=self.counters.steps,
+            step_seconds=self.counters.step_seconds,
+            prompt_tokens=self.counters.prompt_tokens,
+            generation_tokens=self.counters.generation_tokens,
         )
 
     # ---- internals -----------------------------------------------------------------------------

@@ -1,8 +1,20 @@
-"""Prometheus metrics of the router (one registry per router instance, served at /metrics)."""
+"""Prometheus metrics of the router (one registry per router instance, served at /metrics).
+
+Two kinds of series live in the registry: the router's own (counters and histograms it updates as
+requests pass, `RouterMetrics`), and every worker's engine series, labelled `role` and `worker`
+(`WorkerEngineCollector`). The latter are a snapshot of the pool that `observe_workers` replaces
+every pass of the router's worker watch (heartbeats and `Stats` polls carry them as `WorkerStats`),
+rendered at scrape time: a worker that leaves the pool drops its series at the next pass.
+Names follow vLLM's (`vllm:num_requests_running` -> `pdserve_num_requests_running`), see
+docs/operations.md.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 STAGES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admission")
@@ -30,6 +42,8 @@ class RouterMetrics:
                                     ["role", "worker"], registry=r)
         self.worker_routed = Gauge("pdserve_worker_routed_requests", "Requests the router has sent to a worker",
                                    ["role", "worker"], registry=r)
+        self.engines = WorkerEngineCollector()
+        r.register(self.engines)
         for stage in STAGES:
             self.ttft_stage.labels(stage=stage)
         for outcome in ("ok", "invalid", "overloaded", "error", "cancelled"):
@@ -48,6 +62,58 @@ class RouterMetrics:
         for w in workers:
             self.worker_healthy.labels(role=w.role, worker=w.worker_id).set(1 if w.healthy and not w.draining else 0)
             self.worker_routed.labels(role=w.role, worker=w.worker_id).set(w.routed)
+        self.engines.observe([(w.role, w.worker_id, w.stats) for w in workers if w.stats is not None])
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+WORKER_LABELS = ["role", "worker"]
+GAUGES = (  # name, help, value from a WorkerStats
+    ("pdserve_kv_cache_usage_ratio", "KV-cache usage of the worker's engine (1 = every block in use)",
+     lambda s: 1 - s.free_kv_blocks / s.total_kv_blocks if s.total_kv_blocks else 0.0),
+    ("pdserve_num_requests_running", "Requests in the engine's running batch", lambda s: s.running_requests),
+    ("pdserve_num_requests_waiting", "Requests waiting to run (for a batch slot, KV blocks or remote KV)",
+     lambda s: s.queued_requests),
+    ("pdserve_num_waiting_prompt_tokens", "Prompt tokens not yet computed of the waiting requests",
+     lambda s: s.queued_prompt_tokens),
+)
+COUNTERS = (  # name (without _total), help, value from a WorkerStats
+    ("pdserve_num_preemptions", "Running requests preempted (recompute) for lack of KV blocks", lambda s: s.preemptions),
+    ("pdserve_prefix_cache_queries", "Prompt tokens looked up in the prefix cache", lambda s: s.prefix_cache_queried_tokens),
+    ("pdserve_prefix_cache_hits", "Prompt tokens found in the prefix cache", lambda s: s.prefix_cache_hit_tokens),
+    ("pdserve_prompt_tokens", "Prompt tokens run through the model (cache hits and received KV excluded)",
+     lambda s: s.prompt_tokens),
+    ("pdserve_generation_tokens", "Tokens sampled by the engine", lambda s: s.generation_tokens),
+    ("pdserve_worker_kv_sent_bytes", "KV bytes this worker sent (prefill workers)", lambda s: s.kv_bytes_sent),
+    ("pdserve_worker_kv_received_bytes", "KV bytes this worker received (decode workers)", lambda s: s.kv_bytes_received),
+)
+STEP_SUMMARY = "pdserve_engine_step_seconds"
+
+
+class WorkerEngineCollector:
+    """Every worker's engine series from the pool's last view of its `WorkerStats`."""
+
+    def __init__(self) -> None:
+        self._snapshot: list[tuple[str, str, object]] = []
+
+    def observe(self, workers: Iterable[tuple[str, str, object]]) -> None:
+        """Replace the snapshot: (role, worker id, WorkerStats) of each worker in the pool."""
+        self._snapshot = list(workers)
+
+    def collect(self) -> Iterator[Metric]:
+        snapshot = self._snapshot
+        for name, help_text, value in GAUGES:
+            family = GaugeMetricFamily(name, help_text, labels=WORKER_LABELS)
+            for role, worker, stats in snapshot:
+                family.add_metric([role, worker], value(stats))
+            yield family
+        for name, help_text, value in COUNTERS:
+            family = CounterMetricFamily(name, help_text, labels=WORKER_LABELS)
+            for role, worker, stats in snapshot:
+                family.add_metric([role, worker], value(stats))
+            yield family
+        steps = SummaryMetricFamily(STEP_SUMMARY, "Wall time of the engine's model steps", labels=WORKER_LABELS)
+        for role, worker, stats in snapshot:
+            steps.add_metric([role, worker], count_value=stats.steps, sum_value=stats.step_seconds)
+        yield steps

@@ -7,8 +7,11 @@ Life of one request through `stream`:
   3. orchestrate across workers (`router.orchestration`: decode admission, prefill, retries,
      migrations) and relay D's tokens (`router.relay`); later failures end the stream with a
      message whose `error` is set;
-  4. release the admission slot and count the outcome, whether the stream finished, failed or
-     was closed early (client gone: closing the stream cancels the work on D and P).
+  4. release the admission slot and count the outcome once (`pdserve_requests_total{outcome}`):
+     `ok` when the final message was a normal finish, whatever the front end does with the stream
+     afterwards; `error` when it carried an error; `cancelled` when the stream was closed before
+     its final message (client gone: closing the stream cancels the work on D and P); `invalid`
+     and `overloaded` for refusals (`error` too for one while draining).
 """
 
 from __future__ import annotations
@@ -54,6 +57,7 @@ class RouterService:
             self.metrics.requests.labels(outcome="invalid").inc()
             raise
         if self.draining:
+            self.metrics.requests.labels(outcome="error").inc()
             raise Unavailable("router is draining")
         prompt_tokens = len(valid.prompt_ids)
         try:
@@ -61,7 +65,7 @@ class RouterService:
         except Overloaded:
             self.metrics.requests.labels(outcome="overloaded").inc()
             raise
-        outcome = "error"
+        outcome = None  # set by the final message; None while the request is unfinished
         try:
             first = True
             async for response in self.orchestrator.run(request_id, valid, request.skip_detokenize, arrived, deadline):
@@ -69,14 +73,18 @@ class RouterService:
                     response.prompt_token_ids.extend(valid.prompt_ids)
                     first = False
                 if response.finish_reason:
-                    outcome = "ok" if response.finish_reason != pb.FINISH_REASON_ERROR else "error"
+                    outcome = "error" if response.finish_reason == pb.FINISH_REASON_ERROR else "ok"
                 yield response
         except (asyncio.CancelledError, GeneratorExit):
-            outcome = "cancelled"
+            # a front end closing the stream after its final message is not a cancellation
+            outcome = outcome or "cancelled"
             raise
-        except (InvalidRequestError, Overloaded):
+        except InvalidRequestError:
             outcome = "invalid"
+            raise
+        except Overloaded:
+            outcome = "overloaded"
             raise
         finally:
             self.admission.release(prompt_tokens)
-            self.metrics.requests.labels(outcome=outcome).inc()
+            self.metrics.requests.labels(outcome=outcome or "error").inc()
