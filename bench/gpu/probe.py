@@ -21,7 +21,7 @@ from bench.gpu import correctness, ipc, models
 from bench.gpu.device import copy_rate_gbps, describe, has_cuda
 from bench.gpu.harness import Report, Skip, log, out_dir
 
-MODULES = ("engine.engine", "kvtransfer", "prefill_worker.service", "decode_worker.service", "deploy.worker_main", "router.main")
+MODULES = ("engine.engine", "kvtransfer", "prefill_worker.service", "decode_worker.service", "prefill_worker.main", "decode_worker.main", "router.main")
 
 
 def check_imports() -> dict:
