@@ -104,7 +104,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             )
             reached(self.fault_point, "decode.before_transfer", request_id)
             try:
-                received = await expected
+                received = await asyncio.shield(expected)  # a cancelled call must not cancel the transfer itself
             except KVTransferError as exc:
                 log.warning("request %s: KV transfer failed: %s", request_id, exc)
                 yield _finished(request_id, pb.FINISH_REASON_ERROR, _kv_error(exc))
@@ -120,9 +120,16 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 yield response
         finally:
             if not committed:
-                self.receiver.cancel(transfer_id)
-                self.engine.close_stream(request_id)
-                await self.engine.abort(request_id)
+                await asyncio.shield(self._give_up(request_id, transfer_id, expected))
+
+    async def _give_up(self, request_id: str, transfer_id: str, expected: asyncio.Future) -> None:
+        """Free a request whose KV never committed, once no write into its blocks can still land."""
+        self.receiver.cancel(transfer_id)
+        await asyncio.wait([expected], timeout=self.receiver.settle_timeout + 1)
+        if expected.done() and not expected.cancelled():
+            expected.exception()  # retrieved: the outcome was logged where it happened
+        self.engine.close_stream(request_id)
+        await self.engine.abort(request_id)
 
     async def _reserve(self, request_id, prompt, params, context) -> list[int]:
         deadline = time.monotonic() + self.admission_timeout_s

@@ -58,6 +58,7 @@ class _Transfer:
     landing: set[asyncio.Task[None]] = field(default_factory=set)
     streams: dict[int, _Transfer] | None = None  # the connection's stream table while bound
     failed: bool = False
+    completed: bool = False
 
 
 class KVReceiver:
@@ -327,6 +328,7 @@ class KVReceiver:
         if digest([xfer.layer_crcs[i] for i in range(n)], xfer.header.checksum) != trailer.digest:
             self._fail(xfer, errors.ChecksumMismatch("transfer digest mismatch", xfer.transfer_id))
             return
+        xfer.completed = True
         self._finish(xfer)
         result = ReceivedKV(
             transfer_id=xfer.transfer_id,
@@ -361,7 +363,8 @@ class KVReceiver:
             del xfer.streams[xfer.stream]
 
     def _fail(self, xfer: _Transfer, error: KVTransferError, notify: bool = True) -> None:
-        if xfer.failed or xfer.future.done():
+        # a future the caller cancelled still fails here: the transfer is forgotten, its writes settled
+        if xfer.failed or xfer.completed:
             return
         xfer.failed = True
         self._finish(xfer)

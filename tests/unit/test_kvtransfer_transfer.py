@@ -255,7 +255,7 @@ async def test_cancel_and_sender_abort(rig) -> None:
     assert receiver.cancel("t8") and not receiver.cancel("t8")
     with pytest.raises(TransferAborted, match="cancelled"):
         await fut
-    with pytest.raises(TransferAborted):
+    with pytest.raises((TransferAborted, UnknownTransfer)):  # UnknownTransfer: its BEGIN came after the cancel
         await xfer.wait(10)
 
     fut = receiver.expect("t9", DST_BLOCKS, N, FP, timeout=10)
@@ -265,6 +265,26 @@ async def test_cancel_and_sender_abort(rig) -> None:
     with pytest.raises(TransferAborted, match="prefill failed"):
         await fut
     assert receiver.stats.completed == 0 and receiver.pending == 0
+
+
+async def test_cancel_after_the_waiter_was_cancelled_still_fails_the_transfer(rig, caplog) -> None:
+    """A decode call cancelled while awaiting the transfer cancels its future; the receiver must still
+    forget the transfer, tell the sender and log it (it once returned silently and kept it pending)."""
+    receiver, _, sender, endpoint = rig
+    fut = receiver.expect("t8b", DST_BLOCKS, N, FP, timeout=10)
+    xfer = sender.begin(endpoint, header("t8b"))
+    xfer.send_from_cache(filled_cache(), SRC_BLOCKS, layers=range(1))
+    waiter = asyncio.ensure_future(fut)
+    await asyncio.sleep(0.1)
+    waiter.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await waiter
+    with caplog.at_level("WARNING", logger="kvtransfer.receiver"):
+        assert receiver.cancel("t8b")
+    assert receiver.pending == 0
+    assert any("[t8b]" in r.getMessage() and "cancelled" in r.getMessage() for r in caplog.records), caplog.records
+    with pytest.raises((TransferAborted, UnknownTransfer)):
+        await xfer.wait(10)
 
 
 async def test_receiver_close_fails_pending_and_sender_sees_it(rig) -> None:
