@@ -202,7 +202,8 @@ class Engine:
             return outputs
         started = time.perf_counter()
         self._apply_num_threads()
-        ordered, logits = self.runner.execute(plan.scheduled, self._layer_hook(plan.scheduled))
+        order, logits = self.runner.execute([s.step_item() for s in plan.scheduled], self._layer_hook(plan.scheduled))
+        ordered = [plan.scheduled[i] for i in order]
         sampling = [s.seq for s in ordered if s.samples]
         samples = self.sampler.sample(logits, sampling)
         self.counters.record(ordered, len(sampling), time.perf_counter() - started)
