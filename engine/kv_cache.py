@@ -85,10 +85,12 @@ class KVCache:
         flat_v = self.value_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
         return flat_k.index_select(0, slots), flat_v.index_select(0, slots)
 
-    def write_tokens(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write K and V `[num_tokens, kv_heads, head_dim]` of one layer into a request's blocks."""
+    def write_tokens(self, layer: int, block_ids: list[int], k: torch.Tensor, v: torch.Tensor, first_head: int = 0) -> None:
+        """Write K and V `[num_tokens, heads, head_dim]` of one layer into a request's blocks: all the
+        pool's KV heads, or `heads` of them from `first_head` on (one piece of a tensor-parallel transfer)."""
         slots = self.slots(block_ids, k.shape[0]).to(self.key_caches[layer].device)
-        flat_k = self.key_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
-        flat_v = self.value_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim)
+        heads = k.shape[1]
+        flat_k = self.key_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim).narrow(1, first_head, heads)
+        flat_v = self.value_caches[layer].view(-1, self.layout.num_kv_heads, self.layout.head_dim).narrow(1, first_head, heads)
         flat_k.index_copy_(0, slots, k.to(flat_k.dtype))
         flat_v.index_copy_(0, slots, v.to(flat_v.dtype))

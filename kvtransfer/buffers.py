@@ -47,7 +47,10 @@ def block_runs(block_ids: list[int], num_tokens: int, block_size: int) -> list[t
 class PoolTarget:
     """Destination of one transfer: byte views per layer and part (K or V) in token order."""
 
-    def __init__(self, cache: KVCache, block_ids: list[int], num_tokens: int, zero_copy: bool = True):
+    def __init__(self, cache: KVCache, block_ids: list[int], num_tokens: int, zero_copy: bool = True,
+                 heads: tuple[int, int] | None = None):
+        """heads: (first, count) of the pool's KV heads this transfer fills (one tensor-parallel
+        piece: staged, then written into those heads); None: all of them."""
         layout = cache.layout
         if any(not 0 <= b < cache.num_blocks for b in block_ids):
             raise ValueError(f"block id out of range [0, {cache.num_blocks})")
@@ -55,9 +58,15 @@ class PoolTarget:
         self.block_ids = list(block_ids)
         self.num_tokens = num_tokens
         self.runs = block_runs(self.block_ids, num_tokens, layout.block_size)
-        self.row_elems = layout.num_kv_heads * layout.head_dim
-        self.direct = zero_copy and cache.key_caches[0].device.type == "cpu"
+        self.first_head, self.num_heads = heads or (0, layout.num_kv_heads)
+        self.row_elems = self.num_heads * layout.head_dim
+        whole_rows = self.num_heads == layout.num_kv_heads
+        self.direct = zero_copy and whole_rows and cache.key_caches[0].device.type == "cpu"
         self._staging: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def for_heads(self, first: int, count: int) -> PoolTarget:
+        """The same blocks, filled with `count` heads from `first` on."""
+        return PoolTarget(self.cache, self.block_ids, self.num_tokens, self.direct, (first, count))
 
     @property
     def part_nbytes(self) -> int:
@@ -75,7 +84,7 @@ class PoolTarget:
         staged = self._staging.get(layer)
         if staged is None:
             layout = self.cache.layout
-            shape = (self.num_tokens, layout.num_kv_heads, layout.head_dim)
+            shape = (self.num_tokens, self.num_heads, layout.head_dim)
             staged = (torch.empty(shape, dtype=layout.dtype), torch.empty(shape, dtype=layout.dtype))
             self._staging[layer] = staged
         return [memoryview(tensor_bytes(staged[part]))]
@@ -88,7 +97,7 @@ class PoolTarget:
             device = self.cache.key_caches[layer].device
             if device.type != "cpu":
                 k, v = k.to(device), v.to(device)
-            self.cache.write_tokens(layer, self.block_ids, k, v)
+            self.cache.write_tokens(layer, self.block_ids, k, v, self.first_head)
 
     def release(self) -> None:
         """Drop staging buffers of layers that will never be committed."""

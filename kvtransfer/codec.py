@@ -75,9 +75,9 @@ class WireTarget:
     def __init__(self, target: PoolTarget, wire_dtype: str):
         layout = target.cache.layout
         self.target, self.wire_dtype = target, wire_dtype
-        self.rows = target.num_tokens * layout.num_kv_heads
+        self.rows = target.num_tokens * target.num_heads
         self.head_dim = layout.head_dim
-        self.part_nbytes = part_nbytes(target.num_tokens, layout.num_kv_heads, layout.head_dim, 0, wire_dtype)
+        self.part_nbytes = part_nbytes(target.num_tokens, target.num_heads, layout.head_dim, 0, wire_dtype)
         self._staging: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
     def views(self, layer: int, part: int) -> list[memoryview]:
@@ -89,10 +89,10 @@ class WireTarget:
         if staged is None:
             return
         cache = self.target.cache
-        shape = (self.target.num_tokens, cache.layout.num_kv_heads, self.head_dim)
+        shape = (self.target.num_tokens, self.target.num_heads, self.head_dim)
         k, v = (decode(staged[p], self.rows, self.head_dim, self.wire_dtype, cache.layout.dtype).reshape(shape) for p in (0, 1))
         device = cache.key_caches[layer].device
-        cache.write_tokens(layer, self.target.block_ids, k.to(device), v.to(device))
+        cache.write_tokens(layer, self.target.block_ids, k.to(device), v.to(device), self.target.first_head)
 
     def release(self) -> None:
         self._staging.clear()

@@ -23,6 +23,7 @@ reuse them. Garbage is never marked complete: completion requires every layer's 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass, field
@@ -33,6 +34,8 @@ from kvtransfer import checksum, codec, errors
 from kvtransfer.buffers import K, PoolTarget, V
 from kvtransfer.errors import ErrorCode, KVTransferError
 from kvtransfer.messages import KVEndpoint, ReceivedKV, ReceiverStats
+from kvtransfer.pieces import PieceGroups
+from kvtransfer.sharding import HeadRange
 from kvtransfer.transport.base import Channel, ChannelClosed, Listener, Transport, get_transport
 from kvtransfer.wire import Frame, FrameKind, LayerMeta, Result, Trailer, TransferHeader, decode_reason, digest, verify_begin
 
@@ -59,6 +62,8 @@ class _Transfer:
     streams: dict[int, _Transfer] | None = None  # the connection's stream table while bound
     failed: bool = False
     completed: bool = False
+    group: Any = None
+    """The PieceGroup this transfer is one piece of (tensor-parallel sender), else None."""
 
 
 class KVReceiver:
@@ -76,6 +81,7 @@ class KVReceiver:
         zero_copy: bool = True,
         settle_timeout: float = 5.0,
         secret: str | bytes = b"",
+        heads: HeadRange | None = None,
         **transport_options: Any,
     ):
         self.cache = cache
@@ -88,6 +94,9 @@ class KVReceiver:
         self.stats = ReceiverStats()
         self._listener: Listener | None = None
         self._expected: dict[str, _Transfer] = {}
+        self.heads = heads or HeadRange(0, cache.layout.num_kv_heads)
+        """The global KV heads this receiver's pool holds (its rank's share under tensor parallelism)."""
+        self.pieces = PieceGroups(self)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._closing = False
@@ -109,6 +118,7 @@ class KVReceiver:
     async def close(self) -> None:
         """Fail every pending transfer (TransferAborted), close connections and the listener."""
         self._closing = True
+        self.pieces.close()
         for xfer in list(self._expected.values()):
             self._fail(xfer, errors.TransferAborted("receiver is closing", xfer.transfer_id))
         if self._listener is not None:
@@ -133,17 +143,34 @@ class KVReceiver:
         fingerprint: str,
         timeout: float,
     ) -> asyncio.Future[ReceivedKV]:
-        """Register a transfer; the future resolves with `ReceivedKV` once its KV is verified in
-        `block_ids`, or fails with a KVTransferError. Free the blocks only after it resolves."""
+        """Register a transfer of all this receiver's heads from one sender; the future resolves with
+        `ReceivedKV` once its KV is verified in `block_ids`, or fails with a KVTransferError. Free the
+        blocks only after it resolves."""
+        self._check_open(transfer_id, num_tokens)
+        return self._register(transfer_id, block_ids, num_tokens, fingerprint, timeout).future
+
+    def expect_pieces(
+        self, transfer_id: str, block_ids: list[int], num_tokens: int, fingerprint: str, timeout: float
+    ) -> asyncio.Future[ReceivedKV]:
+        """Like `expect`, for a tensor-parallel sender: this receiver's heads arrive as pieces
+        `transfer_id#k` from several sender ranks (kvtransfer.pieces); the future resolves once they
+        cover every head, or fails when any piece fails."""
+        self._check_open(transfer_id, num_tokens)
+        PoolTarget(self.cache, block_ids, num_tokens)  # validates the blocks now
+        return self.pieces.expect(transfer_id, block_ids, num_tokens, fingerprint, timeout)
+
+    def _check_open(self, transfer_id: str, num_tokens: int) -> None:
         if self._closing:
             raise RuntimeError("receiver is closed")
-        loop = asyncio.get_running_loop()
-        if loop is not self._loop:
+        if asyncio.get_running_loop() is not self._loop:
             raise RuntimeError("call expect() on the loop that started the receiver")
-        if transfer_id in self._expected:
+        if transfer_id in self._expected or self.pieces.has(transfer_id):
             raise ValueError(f"transfer {transfer_id!r} is already expected")
         if num_tokens < 1:
             raise ValueError("num_tokens must be >= 1")
+
+    def _register(self, transfer_id: str, block_ids: list[int], num_tokens: int, fingerprint: str, timeout: float) -> _Transfer:
+        loop = asyncio.get_running_loop()
         xfer = _Transfer(
             transfer_id=transfer_id,
             block_ids=list(block_ids),
@@ -155,10 +182,12 @@ class KVReceiver:
         xfer.target = PoolTarget(self.cache, xfer.block_ids, num_tokens, self.zero_copy)  # validates blocks
         xfer.timer = loop.call_later(timeout, self._on_deadline, xfer, timeout)
         self._expected[transfer_id] = xfer
-        return xfer.future
+        return xfer
 
     def cancel(self, transfer_id: str, reason: str = "cancelled by the decode worker") -> bool:
         """Fail a pending transfer with TransferAborted; False if it is not pending."""
+        if self.pieces.cancel(transfer_id, reason):
+            return True
         xfer = self._expected.get(transfer_id)
         if xfer is None:
             return False
@@ -167,7 +196,7 @@ class KVReceiver:
 
     @property
     def pending(self) -> int:
-        return len(self._expected)
+        return len(self._expected) + self.pieces.pending
 
     # --- per connection -------------------------------------------------------------------
 
@@ -218,7 +247,7 @@ class KVReceiver:
         if refusal is not None:
             self._refuse(channel, frame.stream, header, refusal)
             return
-        xfer = self._expected.get(header.transfer_id)
+        xfer = self._expected.get(header.transfer_id) or self.pieces.piece_for(header)
         if xfer is None or xfer.channel is not None:
             what = "not expected (unknown, finished or timed out)" if xfer is None else "already being received"
             log.warning("rejecting transfer %s from %s: %s", header.transfer_id, channel.peer, what)
@@ -233,6 +262,9 @@ class KVReceiver:
         if problem is not None:
             self._fail(xfer, problem)
         elif xfer.target is not None:
+            piece = HeadRange(header.first_head, header.num_kv_heads)
+            if piece != self.heads:
+                xfer.target = xfer.target.for_heads(piece.first - self.heads.first, piece.count)
             xfer.target = codec.target_for(xfer.target, header.wire_dtype)  # compressed: staged, decoded on commit
 
     def _refuse(self, channel: Channel, stream: int, header: TransferHeader, reason: str) -> None:
@@ -252,7 +284,13 @@ class KVReceiver:
             return errors.ProtocolError(f"checksum {header.checksum!r} is not supported here", xfer.transfer_id)
         if header.wire_dtype not in codec.WIRE_DTYPES[1:]:
             return errors.ProtocolError(f"wire dtype {header.wire_dtype!r} is not supported here", xfer.transfer_id)
-        layout_problem = header.layout_mismatch(self.cache.layout)
+        piece = HeadRange(header.first_head, header.num_kv_heads)
+        if (piece != self.heads) if xfer.group is None else (piece.overlap(self.heads) != piece):
+            return errors.ShapeMismatch(
+                f"sender's KV heads [{piece.first}, {piece.end}) do not fit this rank's heads [{self.heads.first}, {self.heads.end})",
+                xfer.transfer_id,
+            )
+        layout_problem = header.layout_mismatch(dataclasses.replace(self.cache.layout, num_kv_heads=piece.count))
         if layout_problem is not None:
             return errors.ShapeMismatch(layout_problem, xfer.transfer_id)
         if header.num_tokens != xfer.num_tokens:
@@ -345,7 +383,8 @@ class KVReceiver:
         if not xfer.future.done():
             xfer.future.set_result(result)
         assert xfer.channel is not None
-        self._reply(xfer.channel, xfer.stream, ErrorCode.OK, "")
+        if xfer.group is None:  # a piece is acknowledged with its whole group (kvtransfer.pieces)
+            self._reply(xfer.channel, xfer.stream, ErrorCode.OK, "")
 
     # --- outcomes -------------------------------------------------------------------------
 

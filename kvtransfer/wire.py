@@ -49,7 +49,7 @@ from kvtransfer.checksum import compute as compute_checksum
 from kvtransfer.errors import ErrorCode, ProtocolError
 
 MAGIC = 0x4B56  # "KV"
-WIRE_VERSION = 2  # 2: HELLO carries the receiver's host id, BEGIN the wire dtype
+WIRE_VERSION = 3  # 2: HELLO carries the receiver's host id, BEGIN the wire dtype; 3: BEGIN the head piece
 
 PRELUDE = struct.Struct("!HBBIIIH2x")
 MAX_PARTS = 16
@@ -187,8 +187,13 @@ class TransferHeader:
     dtype: str
     checksum: str = "crc32"  # algorithm of LayerMeta.crc and Trailer.digest (kvtransfer.checksum)
     wire_dtype: str = "native"  # how K/V travel (kvtransfer.codec); decoded into `dtype` on arrival
+    first_head: int = 0
+    """Global index of the first of this transfer's `num_kv_heads` heads (tensor parallelism: one
+    piece of a rank's heads, kvtransfer.sharding)."""
+    num_pieces: int = 1
+    """How many pieces (from different sender ranks) make up the receiver rank's whole transfer."""
 
-    _FIXED = struct.Struct("!IHHHH")
+    _FIXED = struct.Struct("!IHHHHHH")
 
     @classmethod
     def for_layout(cls, transfer_id: str, layout: KVLayout, num_tokens: int, fingerprint: str) -> TransferHeader:
@@ -229,7 +234,8 @@ class TransferHeader:
 
     def encode(self) -> bytes:
         return (
-            self._FIXED.pack(self.num_tokens, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size)
+            self._FIXED.pack(self.num_tokens, self.num_layers, self.num_kv_heads, self.head_dim, self.block_size, self.first_head,
+                             self.num_pieces)
             + _pack_str(self.dtype)
             + _pack_str(self.transfer_id)
             + _pack_str(self.fingerprint)
@@ -246,7 +252,7 @@ class TransferHeader:
     def decode_with_end(cls, body: bytes) -> tuple[TransferHeader, int]:
         """The header and the offset where its encoding ends in `body`."""
         try:
-            num_tokens, num_layers, heads, head_dim, block_size = cls._FIXED.unpack_from(body, 0)
+            num_tokens, num_layers, heads, head_dim, block_size, first_head, num_pieces = cls._FIXED.unpack_from(body, 0)
             dtype, off = _unpack_str(body, cls._FIXED.size)
             transfer_id, off = _unpack_str(body, off)
             fp, off = _unpack_str(body, off)
@@ -254,7 +260,7 @@ class TransferHeader:
             wire_dtype, end = _unpack_str(body, off)
             header = cls(
                 transfer_id.decode(), fp.decode(), num_tokens, num_layers, heads, head_dim, block_size, dtype.decode(), algorithm.decode(),
-                wire_dtype.decode(),
+                wire_dtype.decode(), first_head, num_pieces,
             )
         except (struct.error, UnicodeDecodeError) as exc:
             raise ProtocolError(f"malformed BEGIN: {exc}") from None

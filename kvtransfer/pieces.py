@@ -1,0 +1,155 @@
+"""Transfers that arrive in pieces from the ranks of a tensor-parallel prefill worker.
+
+A decode rank owns a contiguous range of KV heads (kvtransfer.sharding). When the prefill worker
+has a different TP size, that range is filled by several prefill ranks, each sending the heads both
+own as its own transfer `<transfer_id>#<k>` with `first_head` and `num_pieces` in its header.
+
+Lifecycle of one group, owned by `PieceGroups` inside a `KVReceiver`:
+1. `expect(transfer_id, ...)` registers the group (blocks, tokens, fingerprint) and its deadline.
+2. A BEGIN for `<transfer_id>#<k>` becomes a piece: an ordinary expected transfer of the receiver
+   (same checks, layers, checksums, trailer) landing into its heads of the same blocks.
+3. The group resolves with one `ReceivedKV` when `num_pieces` pieces completed and together cover
+   every head of the receiver (the first token is the piece's that holds head 0, sampled by
+   prefill rank 0); it fails as soon as one piece fails, at its deadline, on `cancel` or when the
+   receiver closes, and only once no write of any piece is outstanding.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from kvtransfer import errors
+from kvtransfer.errors import ErrorCode, KVTransferError
+from kvtransfer.messages import ReceivedKV
+from kvtransfer.sharding import HeadRange
+from kvtransfer.wire import TransferHeader
+
+if TYPE_CHECKING:
+    from kvtransfer.receiver import KVReceiver
+
+
+@dataclass(eq=False)
+class PieceGroup:
+    transfer_id: str
+    block_ids: list[int]
+    num_tokens: int
+    fingerprint: str
+    deadline: float
+    future: asyncio.Future[ReceivedKV]
+    timer: asyncio.TimerHandle | None = None
+    num_pieces: int | None = None
+    pieces: list[Any] = field(default_factory=list)
+    done: list[tuple[HeadRange, ReceivedKV]] = field(default_factory=list)
+    failed: bool = False
+
+
+class PieceGroups:
+    def __init__(self, receiver: KVReceiver):
+        self.receiver = receiver
+        self._groups: dict[str, PieceGroup] = {}
+
+    @property
+    def pending(self) -> int:
+        return len(self._groups)
+
+    def has(self, transfer_id: str) -> bool:
+        return transfer_id in self._groups
+
+    def expect(self, transfer_id: str, block_ids: list[int], num_tokens: int, fingerprint: str, timeout: float) -> asyncio.Future[ReceivedKV]:
+        loop = asyncio.get_running_loop()
+        group = PieceGroup(transfer_id, list(block_ids), num_tokens, fingerprint, time.monotonic() + timeout, loop.create_future())
+        group.timer = loop.call_later(timeout, self._fail, group, errors.TransferTimeout(f"pieces not complete after {timeout:.3g}s", transfer_id))
+        self._groups[transfer_id] = group
+        return group.future
+
+    def piece_for(self, header: TransferHeader) -> Any:
+        """The receiver's transfer for a BEGIN naming a piece of an expected group, else None."""
+        group_id, sep, _ = header.transfer_id.rpartition("#")
+        group = self._groups.get(group_id) if sep else None
+        if group is None or group.failed:
+            return None
+        if group.num_pieces is None:
+            group.num_pieces = header.num_pieces
+        if header.num_pieces != group.num_pieces or len(group.pieces) >= group.num_pieces:
+            self._fail(group, errors.ShapeMismatch(f"piece {header.transfer_id} says {header.num_pieces} pieces, "
+                                                   f"the group has {group.num_pieces}", group.transfer_id))
+            return None
+        remaining = max(0.001, group.deadline - time.monotonic())
+        piece = self.receiver._register(header.transfer_id, group.block_ids, group.num_tokens, group.fingerprint, remaining)
+        piece.group = group
+        group.pieces.append(piece)
+        heads = HeadRange(header.first_head, header.num_kv_heads)
+        piece.future.add_done_callback(lambda fut: self._on_piece(group, heads, fut))
+        return piece
+
+    def cancel(self, transfer_id: str, reason: str) -> bool:
+        group = self._groups.get(transfer_id)
+        if group is None:
+            return False
+        self._fail(group, errors.TransferAborted(reason, transfer_id))
+        return True
+
+    def close(self) -> None:
+        for group in list(self._groups.values()):
+            self._fail(group, errors.TransferAborted("receiver is closing", group.transfer_id))
+
+    def _on_piece(self, group: PieceGroup, heads: HeadRange, fut: asyncio.Future[ReceivedKV]) -> None:
+        if fut.cancelled() or group.failed:
+            return
+        error = fut.exception()
+        if error is not None:
+            self._fail(group, error if isinstance(error, KVTransferError) else errors.TransferAborted(str(error), group.transfer_id))
+            return
+        group.done.append((heads, fut.result()))
+        if len(group.done) == group.num_pieces:
+            self._complete(group)
+
+    def _complete(self, group: PieceGroup) -> None:
+        self._forget(group)
+        covered = sorted(heads for heads, _ in group.done)
+        mine = self.receiver.heads
+        contiguous = all(a.end == b.first for a, b in zip(covered, covered[1:]))
+        if not (contiguous and covered[0].first == mine.first and covered[-1].end == mine.end):
+            error = errors.ShapeMismatch(f"pieces cover heads {covered}, this rank owns {mine}", group.transfer_id)
+            group.failed = True
+            self._answer(group, error.code, str(error))
+            group.future.set_exception(error)
+            return
+        results = [kv for _, kv in sorted(group.done, key=lambda item: item[0].first)]
+        merged = dataclasses.replace(results[0], transfer_id=group.transfer_id, nbytes=sum(r.nbytes for r in results),
+                                     transfer_s=max(r.transfer_s for r in results))
+        self._answer(group, ErrorCode.OK, "")
+        if not group.future.done():
+            group.future.set_result(merged)
+
+    def _answer(self, group: PieceGroup, code: ErrorCode, message: str) -> None:
+        """Tell the sender of every completed piece how its group ended (held back until now)."""
+        for piece in group.pieces:
+            if piece.completed and piece.channel is not None:
+                self.receiver._reply(piece.channel, piece.stream, code, message)
+
+    def _fail(self, group: PieceGroup, error: KVTransferError) -> None:
+        if group.failed or group.future.done():
+            return
+        group.failed = True
+        self._forget(group)
+        self._answer(group, error.code, f"another piece of {group.transfer_id} failed: {error}")
+        for piece in group.pieces:
+            self.receiver._fail(piece, errors.TransferAborted(f"another piece of {group.transfer_id} failed: {error}", piece.transfer_id))
+        self.receiver._track(asyncio.get_running_loop().create_task(self._settle(group, error)))
+
+    async def _settle(self, group: PieceGroup, error: KVTransferError) -> None:
+        """Fail the group's future once every piece has settled (no write into the blocks outstanding)."""
+        await asyncio.gather(*(piece.future for piece in group.pieces), return_exceptions=True)
+        if not group.future.done():
+            group.future.set_exception(error)
+
+    def _forget(self, group: PieceGroup) -> None:
+        if group.timer is not None:
+            group.timer.cancel()
+        if self._groups.get(group.transfer_id) is group:
+            del self._groups[group.transfer_id]

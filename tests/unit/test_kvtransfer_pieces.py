@@ -1,0 +1,153 @@
+"""KV between tensor-parallel workers of different TP sizes: every prefill rank sends each decode
+rank exactly the heads both own (kvtransfer.sharding), as pieces the decode rank's receiver
+assembles (kvtransfer.pieces). Each decode rank's pool ends up holding its heads of the source KV."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import importlib.util
+import json
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCache, KVLayout
+from kvtransfer import KVReceiver, KVSender, ShapeMismatch, TransferAborted, TransferHeader, TransferTimeout, fingerprint
+from kvtransfer.sharding import HeadRange, IncompatibleLayouts, check_compatible, head_range, pieces
+
+HEADS = 4
+GLOBAL = KVLayout(num_layers=3, num_kv_heads=HEADS, head_dim=8, block_size=4, dtype=torch.float32)
+FP = fingerprint(GLOBAL, json.dumps({"model_type": "tiny"}))
+N = 13
+SRC_BLOCKS = [2, 3, 9, 4]
+DST_BLOCKS = [5, 6, 7, 1]
+
+pytestmark = pytest.mark.timeout(60)
+HAVE_UCX = importlib.util.find_spec("ucxx") is not None
+TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing"))]
+
+
+def source() -> KVCache:
+    """The prompt's KV with every head, as one unsplit model would hold it."""
+    cache = KVCache(GLOBAL, num_blocks=12)
+    gen = torch.Generator().manual_seed(0)
+    for layer in range(GLOBAL.num_layers):
+        cache.key_caches[layer].copy_(torch.randn(cache.key_caches[layer].shape, generator=gen))
+        cache.value_caches[layer].copy_(torch.randn(cache.value_caches[layer].shape, generator=gen))
+    return cache
+
+
+class DecodeRanks:
+    """One receiver per decode rank, each over a pool of its own heads."""
+
+    def __init__(self, tp: int, transport: str):
+        self.tp = tp
+        self.caches = [KVCache(dataclasses.replace(GLOBAL, num_kv_heads=HEADS // tp), num_blocks=12) for _ in range(tp)]
+        self.receivers = [KVReceiver(c, transport, heads=head_range(HEADS, tp, s), settle_timeout=2.0) for s, c in enumerate(self.caches)]
+
+    async def __aenter__(self):
+        self.endpoints = [await r.start() for r in self.receivers]
+        return self
+
+    async def __aexit__(self, *exc):
+        for r in self.receivers:
+            await r.close()
+
+
+def send_pieces(sender: KVSender, src: KVCache, ranks: DecodeRanks, src_tp: int, transfer_id: str, skip: set[int] = frozenset()):
+    """Every prefill rank's pieces; the rank holding head 0 carries the first token."""
+    transfers = []
+    all_pieces = pieces(HEADS, src_tp, ranks.tp)
+    for piece in all_pieces:
+        if piece.src in skip:
+            continue
+        count = sum(1 for p in all_pieces if p.dst == piece.dst)
+        header = dataclasses.replace(
+            TransferHeader.for_layout(f"{transfer_id}#{piece.src}", GLOBAL, N, FP),
+            num_kv_heads=piece.heads.count, first_head=piece.heads.first, num_pieces=count,
+        )
+        xfer = sender.begin(ranks.endpoints[piece.dst], header)
+        lo, hi = piece.heads.first, piece.heads.end
+        for layer in range(GLOBAL.num_layers):
+            k, v = src.read_tokens(layer, SRC_BLOCKS, N)
+            xfer.send_layer(layer, k[:, lo:hi].contiguous(), v[:, lo:hi].contiguous())
+        xfer.finish(first_token=42 if piece.src == 0 else 0)
+        transfers.append(xfer)
+    return transfers
+
+
+@pytest.mark.parametrize("src_tp,dst_tp", [(2, 1), (1, 2), (2, 2), (4, 2), (1, 4)])
+@pytest.mark.parametrize("transport", TRANSPORTS)
+async def test_every_decode_rank_gets_exactly_its_heads(src_tp, dst_tp, transport):
+    src = source()
+    sender = KVSender(ack_timeout=10.0)
+    try:
+        async with DecodeRanks(dst_tp, transport) as ranks:
+            futures = [r.expect_pieces("t", DST_BLOCKS, N, FP, timeout=10) for r in ranks.receivers]
+            transfers = send_pieces(sender, src, ranks, src_tp, "t")
+            received = await asyncio.gather(*futures)
+            for xfer in transfers:
+                await xfer.wait(10)
+            assert received[0].first_token == 42
+            for s, cache in enumerate(ranks.caches):
+                mine = head_range(HEADS, dst_tp, s)
+                for layer in range(GLOBAL.num_layers):
+                    want_k, want_v = src.read_tokens(layer, SRC_BLOCKS, N)
+                    got_k, got_v = cache.read_tokens(layer, DST_BLOCKS, N)
+                    assert torch.equal(got_k, want_k[:, mine.first:mine.end]) and torch.equal(got_v, want_v[:, mine.first:mine.end])
+                assert received[s].nbytes == 2 * GLOBAL.num_layers * N * mine.count * 8 * 4
+            assert all(r.pending == 0 for r in ranks.receivers)
+    finally:
+        await asyncio.to_thread(sender.close)
+
+
+async def test_a_missing_piece_times_out_and_the_others_are_aborted():
+    sender = KVSender(ack_timeout=10.0)
+    try:
+        async with DecodeRanks(1, "tcp") as ranks:
+            fut = ranks.receivers[0].expect_pieces("m", DST_BLOCKS, N, FP, timeout=1.0)
+            (sent,) = send_pieces(sender, source(), ranks, 2, "m", skip={1})
+            with pytest.raises(TransferTimeout):
+                await fut
+            with pytest.raises((TransferAborted, TransferTimeout)):
+                await sent.wait(10)
+            assert ranks.receivers[0].pending == 0
+    finally:
+        await asyncio.to_thread(sender.close)
+
+
+async def test_a_piece_outside_the_ranks_heads_is_refused():
+    sender = KVSender(ack_timeout=10.0)
+    try:
+        async with DecodeRanks(2, "tcp") as ranks:
+            fut = ranks.receivers[1].expect_pieces("o", DST_BLOCKS, N, FP, timeout=5)
+            header = dataclasses.replace(TransferHeader.for_layout("o#0", GLOBAL, N, FP), num_kv_heads=2, first_head=0)
+            xfer = sender.begin(ranks.endpoints[1], header)  # heads [0, 2) belong to rank 0
+            with pytest.raises(ShapeMismatch, match=r"heads \[0, 2\) do not fit this rank's heads \[2, 4\)"):
+                await fut
+            with pytest.raises(ShapeMismatch):
+                await xfer.wait(10)
+    finally:
+        await asyncio.to_thread(sender.close)
+
+
+async def test_cancel_fails_a_group_waiting_for_pieces():
+    async with DecodeRanks(1, "tcp") as ranks:
+        receiver = ranks.receivers[0]
+        fut = receiver.expect_pieces("c", DST_BLOCKS, N, FP, timeout=5)
+        assert receiver.pending == 1 and receiver.cancel("c")
+        with pytest.raises(TransferAborted):
+            await fut
+        assert receiver.pending == 0
+
+
+def test_sharding_math():
+    assert head_range(6, 3, 2) == HeadRange(4, 2)
+    assert [(p.src, p.dst, p.heads) for p in pieces(4, 2, 1)] == [(0, 0, HeadRange(0, 2)), (1, 0, HeadRange(2, 2))]
+    assert [(p.src, p.dst) for p in pieces(4, 1, 2)] == [(0, 0), (0, 1)]
+    assert sum(p.heads.count for p in pieces(12, 4, 3)) == 12  # every head once, even when ranges straddle
+    with pytest.raises(IncompatibleLayouts, match="prefill worker TP=2 with 4 KV heads, decode worker TP=3 with 3 KV heads"):
+        check_compatible((2, 4), (3, 3))
+    with pytest.raises(IncompatibleLayouts, match="TP=2 does not divide"):
+        check_compatible((2, 3), (1, 3))
