@@ -81,9 +81,6 @@ def worker_main(role: str, serve: Serve, argv: list[str] | None = None) -> int:
 
 async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
                      control: ServerControl | None = None) -> None:
-    if getattr(config.pools, role).tensor_parallel_size > 1:
-        raise ConfigError(f"pools.{role}.tensor_parallel_size", "a tensor-parallel worker needs the rank-to-rank KV path, which "
-                          "this version does not have yet; tensor parallelism runs in `pdserve generate --local -c CONFIG`")
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
     hosts = [args.host, *([config.kv_transfer.host] if role == "decode" else [])]
     security.require_secret_for(hosts, config.security.allow_unauthenticated, f"{role} worker {worker_id}")

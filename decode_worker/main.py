@@ -2,8 +2,9 @@
 
 Parts: an engine (torch threads from the pool's CPU share), a `KVReceiver` bound to
 `kv_transfer.host` (`--kv-port`, 0: any free port; it checks transfer headers with the cluster
-secret) whose port joins the ready line, and the `DecodeService`. Closing stops the receiver,
-then the engine.
+secret) whose port joins the ready line, and the `DecodeService`. With
+`pools.decode.tensor_parallel_size` N the engine starts N-1 follower ranks, each receiving its own
+KV heads on its own receiver (decode_worker.ranks). Closing stops the receiver, then the engine.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from common.config import PdserveConfig
 from common.security import Security
 from common.serving import ServerControl
 from common.worker import WorkerParts, run_worker, worker_main
+from decode_worker.ranks import AGENT, FollowerReceivers, RankSettings
 from decode_worker.service import DecodeService
 from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import KVReceiver, fingerprint
 from kvtransfer.faults import FaultPoint
+from kvtransfer.sharding import head_range
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 ROLE = "decode"
@@ -26,13 +29,16 @@ ROLE = "decode"
 
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
-    engine = AsyncEngine(Engine(config.engine_for(ROLE)))
-    engine.start()
     kv = config.kv_transfer
-    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
-    receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret)
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), rank_agent=(AGENT, RankSettings(kv, security.kv_secret))))
+    engine.start()
+    model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
+    heads = head_range(engine.global_layout.num_kv_heads, engine.tensor_parallel_size, 0)
+    receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret, heads=heads)
     await receiver.start()
-    service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point)
+    followers = FollowerReceivers(engine.ranks)
+    service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point,
+                            followers=followers, follower_endpoints=await followers.endpoints())
 
     async def close() -> None:
         await receiver.close()

@@ -25,10 +25,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from common.serving import CallGate
+from decode_worker.ranks import FollowerReceivers
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sampler import Sample
-from kvtransfer import KVReceiver, KVTransferError
+from kvtransfer import KVEndpoint, KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -47,10 +48,15 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         kv_timeout_s: float = 30.0,
         admission_timeout_s: float = 30.0,
         fault_point: FaultPoint | None = None,
+        followers: FollowerReceivers | None = None,
+        follower_endpoints: list[KVEndpoint] | None = None,
     ):
-        """`fault_point`: test hook (stall or mark at a named point), None in production."""
+        """`followers`: a tensor-parallel worker's other ranks and their receivers' endpoints (rank order).
+        `fault_point`: test hook (stall or mark at a named point), None in production."""
         self.engine = engine
         self.receiver = receiver
+        self.followers = followers or FollowerReceivers(None)
+        self.rank_endpoints = [receiver.endpoint, *(follower_endpoints or [])]
         self.fingerprint = fingerprint
         self.worker_id = worker_id
         self.kv_timeout_s = kv_timeout_s
@@ -85,18 +91,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         stream = self.engine.open_stream(request_id)
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         timeout = request.kv_timeout_s or self.kv_timeout_s
-        expected = self.receiver.expect(transfer_id, blocks, len(prompt), self.fingerprint, timeout=timeout)
-        endpoint = self.receiver.endpoint
+        expected = self._expect(transfer_id, blocks, len(prompt), timeout)
         committed = False
         try:
             yield pb.DecodeResponse(
                 request_id=request_id,
                 admission=pb.KVAdmission(
-                    kv_destination=pb.KVDestination(
-                        endpoint=pb.KVEndpoint(host=endpoint.host, port=endpoint.port, transport=endpoint.transport),
-                        transfer_id=transfer_id,
-                        model_fingerprint=self.fingerprint,
-                    ),
+                    kv_destination=self._destination(transfer_id),
                     num_prompt_tokens=len(prompt),
                     num_blocks=len(blocks),
                     admission_wait_s=admitted - started,
@@ -122,9 +123,35 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             if not committed:
                 await asyncio.shield(self._give_up(request_id, transfer_id, expected))
 
+    def _expect(self, transfer_id: str, blocks: list[int], num_tokens: int, timeout: float) -> asyncio.Future:
+        """Every rank's pieces of the prompt's KV: the future of rank 0's `ReceivedKV` (its trailer has the
+        first token), resolved once the other ranks have theirs too."""
+        own = self.receiver.expect_pieces(transfer_id, blocks, num_tokens, self.fingerprint, timeout=timeout)
+        if self.followers.group is None:
+            return own
+        theirs = asyncio.ensure_future(self.followers.expect(transfer_id, blocks, num_tokens, self.fingerprint, timeout))
+
+        async def every_rank():
+            try:
+                received = await asyncio.shield(own)
+            except BaseException:
+                self.followers.cancel(transfer_id, "rank 0's pieces failed")
+                await asyncio.wait([theirs])
+                raise
+            await asyncio.shield(theirs)  # a follower's failure fails the request
+            return received
+
+        return asyncio.ensure_future(every_rank())
+
+    def _destination(self, transfer_id: str) -> pb.KVDestination:
+        endpoints = [pb.KVEndpoint(host=e.host, port=e.port, transport=e.transport) for e in self.rank_endpoints]
+        return pb.KVDestination(endpoint=endpoints[0], transfer_id=transfer_id, model_fingerprint=self.fingerprint,
+                                rank_endpoints=endpoints, num_kv_heads=self.engine.global_layout.num_kv_heads)
+
     async def _give_up(self, request_id: str, transfer_id: str, expected: asyncio.Future) -> None:
-        """Free a request whose KV never committed, once no write into its blocks can still land."""
+        """Free a request whose KV never committed, once no write into its blocks can still land (on any rank)."""
         self.receiver.cancel(transfer_id)
+        self.followers.cancel(transfer_id)
         await asyncio.wait([expected], timeout=self.receiver.settle_timeout + 1)
         if expected.done() and not expected.cancelled():
             expected.exception()  # retrieved: the outcome was logged where it happened

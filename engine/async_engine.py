@@ -28,6 +28,7 @@ import torch
 from engine.engine import Engine, EngineStats, RequestOutput
 from engine.errors import EngineError
 from engine.kv_cache import KVCache, KVLayout
+from engine.parallel import TensorParallelGroup
 from engine.sampler import Sample
 from engine.sampling import SamplingParams
 
@@ -64,6 +65,20 @@ class AsyncEngine:
     @property
     def layout(self) -> KVLayout:
         return self._engine.layout
+
+    @property
+    def global_layout(self) -> KVLayout:
+        """The whole model's KV layout (every rank's heads under tensor parallelism)."""
+        return self._engine.global_layout
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self._engine.config.tensor_parallel_size
+
+    @property
+    def ranks(self) -> TensorParallelGroup | None:
+        """The engine's tensor-parallel group (None with one rank): its followers' rank agents."""
+        return self._engine.parallel
 
     @property
     def kv_cache(self) -> KVCache:

@@ -14,17 +14,18 @@ The engine is single-threaded: use `AsyncEngine` to drive it from asyncio.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from common.engine_config import EngineConfig
 from engine.block_manager import BlockManager
 from engine.errors import InvalidRequestError
-from engine.kv_sink import KVLayerSink
+from engine.kv_sink import KVLayerSink, SinkRequest, layer_hook
 from engine.model_loader import LoadedModel
 from engine.parallel import TensorParallelGroup
 from engine.runtime import build_runtime
@@ -91,18 +92,23 @@ class StepCounters:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, kv_sink: KVLayerSink | None = None):
+    def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, kv_sink: KVLayerSink | None = None,
+                 rank_agent: tuple[str, Any] | None = None):
+        """rank_agent: with tensor parallelism, ("module:function", settings) that builds each follower
+        rank's agent (engine.parallel.follower.RankAgent: its KV endpoint); rank 0's is the worker itself."""
         self.config = config
         self.kv_sink = kv_sink
         self._apply_num_threads()
         if loaded is not None and config.tensor_parallel_size > 1:
             raise ValueError("a tensor-parallel engine loads its own shard on every rank: pass no loaded model")
-        self.parallel = TensorParallelGroup.start(config) if config.tensor_parallel_size > 1 else None
+        self.parallel = TensorParallelGroup.start(config, rank_agent) if config.tensor_parallel_size > 1 else None
         runtime = build_runtime(config, loaded)
         self.loaded, self.layout, self.kv_cache = runtime.loaded, runtime.layout, runtime.kv_cache
+        self.global_layout = dataclasses.replace(self.layout, num_kv_heads=self.layout.num_kv_heads * config.tensor_parallel_size)
+        """The KV layout of the whole model (every rank's heads): what must match between workers."""
         self.max_model_len = runtime.max_model_len
         self.vocab_size = self.loaded.config.vocab_size
-        self.runner = runtime.runner if self.parallel is None else self.parallel.runner(runtime.runner)
+        self.runner = runtime.runner
         num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -200,7 +206,13 @@ class Engine:
             return outputs
         started = time.perf_counter()
         self._apply_num_threads()
-        order, logits = self.runner.execute([s.step_item() for s in plan.scheduled], self._layer_hook(plan.scheduled))
+        items = [s.step_item() for s in plan.scheduled]
+        sends = self._sink_requests(plan.scheduled)
+        hook = layer_hook(self.kv_cache, self.kv_sink, sends)
+        if self.parallel is None:
+            order, logits = self.runner.execute(items, hook)
+        else:
+            order, logits = self.parallel.run_step(self.runner, items, sends, hook)
         ordered = [plan.scheduled[i] for i in order]
         sampling = [s.seq for s in ordered if s.samples]
         samples = self.sampler.sample(logits, sampling)
@@ -263,22 +275,15 @@ class Engine:
             )
         return Sequence(request_id, list(prompt), params, prefill_only=prefill_only)
 
-    def _layer_hook(self, scheduled: list[ScheduledSeq]) -> Callable[[int], None] | None:
-        """What the model runner calls after each layer: hand the layer's KV of prompts finishing
-        prefill this step to the sink (None when there is no sink or nothing it wants)."""
+    def _sink_requests(self, scheduled: list[ScheduledSeq]) -> list[SinkRequest]:
+        """The prompts finishing prefill this step whose KV the sink wants layer by layer."""
         sink = self.kv_sink
         if sink is None:
-            return None
-        seqs = [s.seq for s in scheduled if s.samples and s.seq.prefill_only and sink.wants(s.seq.request_id)]
-        if not seqs:
-            return None
-
-        def layer_written(layer: int) -> None:
-            for seq in seqs:
-                k, v = self.kv_cache.read_tokens(layer, seq.block_ids, seq.num_prompt_tokens)
-                sink.layer_ready(seq.request_id, layer, k, v)
-
-        return layer_written
+            return []
+        return [
+            SinkRequest(s.seq.request_id, s.seq.block_ids, s.seq.num_prompt_tokens)
+            for s in scheduled if s.samples and s.seq.prefill_only and sink.wants(s.seq.request_id)
+        ]
 
     def _emit(self, seq: Sequence, sample: Sample, out: RequestOutput) -> None:
         """Append a sampled token (and its logprobs, when asked) to the request and its output."""

@@ -10,9 +10,14 @@ Both run on the engine thread, inside the forward: they must return at once (enq
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.kv_cache import KVCache
 
 
 class KVLayerSink(Protocol):
@@ -23,3 +28,26 @@ class KVLayerSink(Protocol):
     def layer_ready(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """Layer `layer` of the request's prompt KV is complete; `k` and `v` are the sink's to keep."""
         ...
+
+
+@dataclass(frozen=True)
+class SinkRequest:
+    """A prompt whose KV goes to the sink during this step (plain data: broadcast to every rank)."""
+
+    request_id: str
+    block_ids: list[int]
+    num_tokens: int
+
+
+def layer_hook(kv_cache: KVCache, sink: KVLayerSink | None, requests: list[SinkRequest]) -> Callable[[int], None] | None:
+    """What the model runner calls after each layer: hand that layer's KV of `requests` (read from
+    this rank's pool) to the sink. None when there is nothing to hand over."""
+    if sink is None or not requests:
+        return None
+
+    def layer_written(layer: int) -> None:
+        for request in requests:
+            k, v = kv_cache.read_tokens(layer, request.block_ids, request.num_tokens)
+            sink.layer_ready(request.request_id, layer, k, v)
+
+    return layer_written

@@ -1,4 +1,10 @@
-"""Transfers that arrive in pieces from the ranks of a tensor-parallel prefill worker.
+"""KV that moves in pieces between the ranks of tensor-parallel workers.
+
+Sender side: `PieceSend` is one prefill rank's share of one prompt's KV, one transfer per decode
+rank it shares heads with (`<transfer_id>#<its rank>`), each carrying just those heads. With TP = 1
+on both sides that is a single piece holding every head: the same path serves every layout.
+
+Receiver side:
 
 A decode rank owns a contiguous range of KV heads (kvtransfer.sharding). When the prefill worker
 has a different TP size, that range is filled by several prefill ranks, each sending the heads both
@@ -18,18 +24,82 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+import torch
+
+from engine.kv_cache import KVLayout
 from kvtransfer import errors
 from kvtransfer.errors import ErrorCode, KVTransferError
-from kvtransfer.messages import ReceivedKV
-from kvtransfer.sharding import HeadRange
+from kvtransfer.messages import KVEndpoint, ReceivedKV
+from kvtransfer.sharding import HeadRange, check_compatible, head_range, pieces
 from kvtransfer.wire import TransferHeader
 
 if TYPE_CHECKING:
     from kvtransfer.receiver import KVReceiver
+    from kvtransfer.sender import KVSender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Destination:
+    """Where a decode worker wants one prompt's KV: its ranks' receivers (one for TP = 1)."""
+
+    transfer_id: str
+    fingerprint: str
+    endpoints: list[KVEndpoint]
+    num_kv_heads: int
+    """The model's KV heads, all ranks together."""
+
+
+class PieceSend:
+    """Prefill rank `rank` of `tp`: its heads of one prompt's KV, sent straight to the decode ranks
+    that own them. `send_layer` takes this rank's K/V (`[tokens, its heads, head_dim]`) and never blocks."""
+
+    def __init__(self, sender: KVSender, destination: Destination, layout: KVLayout, num_tokens: int, rank: int = 0,
+                 tp: int = 1, ack_timeout: float | None = None):
+        """layout: the whole model's KV layout (every rank's heads)."""
+        heads = layout.num_kv_heads
+        check_compatible((tp, heads), (len(destination.endpoints), destination.num_kv_heads))
+        mine = head_range(heads, tp, rank)
+        every = pieces(heads, tp, len(destination.endpoints))
+        base = TransferHeader.for_layout(f"{destination.transfer_id}#{rank}", layout, num_tokens, destination.fingerprint)
+        self.parts: list[tuple[Any, slice | None]] = []
+        for piece in (p for p in every if p.src == rank):
+            header = dataclasses.replace(base, num_kv_heads=piece.heads.count, first_head=piece.heads.first,
+                                         num_pieces=sum(1 for p in every if p.dst == piece.dst))
+            local = slice(piece.heads.first - mine.first, piece.heads.end - mine.first)
+            transfer = sender.begin(destination.endpoints[piece.dst], header, ack_timeout)
+            self.parts.append((transfer, None if piece.heads == mine else local))
+
+    def send_layer(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        for transfer, heads in self.parts:
+            if heads is None:
+                transfer.send_layer(layer, k, v)
+            else:
+                transfer.send_layer(layer, k[:, heads].contiguous(), v[:, heads].contiguous())
+
+    def finish(self, first_token: int, logprob: float | None = None, top_logprobs: dict[int, float] | None = None) -> None:
+        for transfer, _ in self.parts:
+            transfer.finish(first_token, logprob, top_logprobs)
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Bytes sent, once every decode rank acknowledged (raises the first failure)."""
+        acks = await asyncio.gather(*(transfer.wait(timeout) for transfer, _ in self.parts))
+        return sum(ack.nbytes for ack in acks)
+
+    @property
+    def done(self) -> bool:
+        return all(transfer.ack.done() for transfer, _ in self.parts)
+
+    def abort(self, reason: str) -> None:
+        for transfer, _ in self.parts:
+            if not transfer.ack.done():
+                transfer.abort(reason)
 
 
 @dataclass(eq=False)
@@ -135,6 +205,7 @@ class PieceGroups:
     def _fail(self, group: PieceGroup, error: KVTransferError) -> None:
         if group.failed or group.future.done():
             return
+        log.warning("KV transfer failed: %s", error)
         group.failed = True
         self._forget(group)
         self._answer(group, error.code, f"another piece of {group.transfer_id} failed: {error}")
@@ -153,3 +224,24 @@ class PieceGroups:
             group.timer.cancel()
         if self._groups.get(group.transfer_id) is group:
             del self._groups[group.transfer_id]
+
+
+# --- outcomes of a follower rank's sends or receptions, as plain data across the rank channel ------
+
+def outcome_of(done: Any) -> tuple:
+    """("ok", bytes) or ("error", code, message) of a finished future of bytes moved."""
+    error = done.exception()
+    if error is None:
+        return ("ok", done.result())
+    code = error.code if isinstance(error, KVTransferError) else ErrorCode.ABORTED
+    return ("error", int(code), str(error))
+
+
+def bytes_or_raise(outcomes: dict[int, tuple]) -> int:
+    """Total bytes of every rank's ("ok", bytes) outcome; the first rank's failure as its KVTransferError."""
+    total = 0
+    for rank, outcome in sorted(outcomes.items()):
+        if outcome[0] != "ok":
+            raise errors.error_from_code(outcome[1], f"rank {rank}: {outcome[2]}")
+        total += outcome[1]
+    return total

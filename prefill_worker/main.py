@@ -3,7 +3,8 @@
 Parts: an engine in prefill-only use (torch threads from the pool's CPU share) whose KV layer
 sink is the `LayerStreamer` (with `kv_transfer.layerwise`), a `KVSender` (faults from
 `kv_transfer.faults`, transfer headers signed with the cluster secret) and the `PrefillService`.
-Closing stops the sender's I/O thread, then the engine.
+With `pools.prefill.tensor_parallel_size` N the engine starts N-1 follower ranks, each sending its
+own KV heads (prefill_worker.ranks). Closing stops the sender's I/O thread, then the engine.
 """
 
 from __future__ import annotations
@@ -17,10 +18,11 @@ from common.serving import ServerControl
 from common.worker import WorkerParts, run_worker, worker_main
 from engine import Engine
 from engine.async_engine import AsyncEngine
-from kvtransfer import FaultInjector, KVSender, fingerprint
-from kvtransfer.codec import WirePolicy
+from kvtransfer import FaultInjector, fingerprint
 from kvtransfer.faults import FaultPoint
-from prefill_worker.service import LayerStreamer, PrefillService
+from prefill_worker.ranks import AGENT, RankSettings, make_sender
+from prefill_worker.service import PrefillService
+from prefill_worker.streamer import LayerStreamer
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 ROLE = "prefill"
@@ -30,11 +32,11 @@ async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str,
     kv = config.kv_transfer
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
     streamer = LayerStreamer(fault_point) if kv.layerwise else None
-    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer))
+    ranks = (AGENT, RankSettings(kv, security.kv_secret))
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks))
     engine.start()
-    model_fingerprint = fingerprint(engine.layout, engine.model_config_json)
-    sender = KVSender(ack_timeout=kv.timeout_s, faults=FaultInjector.configured(kv.faults), secret=security.kv_secret,
-                      wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
+    model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
+    sender = make_sender(kv, security.kv_secret, FaultInjector.configured(kv.faults))
     service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)
 
     async def close() -> None:

@@ -1,15 +1,17 @@
 """PrefillWorker gRPC service: run prompts in prefill-only mode and ship their KV to a decode worker.
 
 Life of one `Prefill` call:
-  1. validate; open (or reuse) a connection to the destination's KV receiver and begin a transfer
-     (header: transfer id, model fingerprint, token count, layout);
+  1. validate; begin this worker's pieces of the prompt's KV (kvtransfer.pieces.PieceSend): one
+     transfer per decode rank sharing heads with ours (TP = 1 on both sides: one transfer of every
+     head), over a reused connection (header: transfer id, model fingerprint, token count, layout,
+     head range); a tensor-parallel worker's follower ranks begin theirs (prefill_worker.ranks);
   2. add the prompt to the engine as prefill-only; it is batched with other prompts (chunked
      prefill, prefix cache). During the step that completes the prompt, the engine hands every
      finished layer's K/V of the prompt to its `KVLayerSink`, the `LayerStreamer` below, which
      queues it on the transfer, so layer i travels while layer i+1 computes (layer-wise streaming;
      without a streamer: all layers after the step);
-  3. the step samples the first token; the trailer (first token, its logprobs when asked, checksum)
-     closes the transfer and the decode worker's acknowledgement comes back;
+  3. the step samples the first token; the trailers (first token, its logprobs when asked, checksum)
+     close the transfers and every decode rank's acknowledgement comes back (the followers' too);
   4. the request's blocks are released (they stay in the prefix cache) and the first token returned.
 Any failure aborts the transfer (the receiver frees its blocks) and fails the call.
 A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
@@ -17,49 +19,28 @@ A `FaultPoint` (tests only, given by the worker's main) may stall the process at
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 import uuid
 
 import grpc
-import torch
 
 from common.serving import CallGate
 from engine.async_engine import AsyncEngine
 from engine.engine import RequestOutput
 from engine.errors import InvalidRequestError
-from kvtransfer import KVEndpoint, KVSender, KVTransferError, OutgoingTransfer, TransferHeader
+from kvtransfer import KVEndpoint, KVSender, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
+from kvtransfer.pieces import Destination, PieceSend
+from kvtransfer.sharding import IncompatibleLayouts
+from prefill_worker.ranks import FollowerSends
+from prefill_worker.streamer import LayerStreamer
 from proto.convert import chunk_from_output, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
-
-
-class LayerStreamer:
-    """The engine's `KVLayerSink` on a prefill worker: the transfers in flight, by request id. Build it
-    first and give it to the `Engine` and to `PrefillService`; every layer the engine hands over for
-    one of them goes onto that transfer at once (engine thread; `send_layer` never blocks)."""
-
-    def __init__(self, fault_point: FaultPoint | None = None):
-        self._transfers: dict[str, OutgoingTransfer] = {}
-        self._fault_point = fault_point
-
-    def track(self, request_id: str, transfer: OutgoingTransfer) -> None:
-        self._transfers[request_id] = transfer
-
-    def forget(self, request_id: str) -> None:
-        self._transfers.pop(request_id, None)
-
-    def wants(self, request_id: str) -> bool:
-        return request_id in self._transfers
-
-    def layer_ready(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
-        transfer = self._transfers.get(request_id)
-        if transfer is not None:
-            transfer.send_layer(layer, k, v)
-            reached(self._fault_point, "prefill.after_layer", request_id, layer)
 
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
@@ -74,6 +55,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.streamer = streamer
         self.ack_timeout_s = ack_timeout_s
         self.fault_point = fault_point
+        self.followers = FollowerSends(engine.ranks)
+        self.kv_bytes_sent = 0
+        """KV bytes every rank delivered (acknowledged transfers)."""
         self.gate = CallGate("prefill")
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
@@ -86,18 +70,17 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         received = time.monotonic()
         transfer = None
         try:
+            timeout = request.kv_ack_timeout_s or self.ack_timeout_s
             if dest is not None:
-                endpoint = KVEndpoint(dest.endpoint.host, dest.endpoint.port, dest.endpoint.transport)
-                header = TransferHeader.for_layout(dest.transfer_id, self.engine.layout, len(request.token_ids), self.fingerprint)
-                reached(self.fault_point, "prefill.before_transfer", request_id)
-                transfer = self.sender.begin(endpoint, header, ack_timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
-                if self.streamer is not None:
-                    self.streamer.track(request_id, transfer)
+                transfer = await self._begin(request_id, dest, len(request.token_ids), timeout, context)
             first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
             computed = time.monotonic()
             if transfer is not None:
                 await self._finish_transfer(request_id, transfer, first_out)
-                ack = await transfer.wait(timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
+                # every rank's trailers go out before any ack is awaited: a decode rank acknowledges its
+                # pieces together, so rank 0's ack may wait for a follower's trailer
+                sent = sum(await asyncio.gather(transfer.wait(timeout), self.followers.finish(request_id)))
+                self.kv_bytes_sent += sent
                 reached(self.fault_point, "prefill.after_transfer", request_id)
             done = time.monotonic()
             return pb.PrefillResponse(
@@ -105,7 +88,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 first_token=_first_token(first, first_out),
                 prompt_tokens=len(request.token_ids),
                 cached_prompt_tokens=first_out.num_cached_tokens,
-                kv_bytes_sent=ack.nbytes if transfer is not None else 0,
+                kv_bytes_sent=sent if transfer is not None else 0,
                 timings=pb.StageTimings(prefill_compute_s=computed - received, kv_transfer_s=done - computed),
             )
         except KVTransferError as exc:
@@ -115,9 +98,26 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             self.gate.leave()
             if self.streamer is not None:
                 self.streamer.forget(request_id)
-            if transfer is not None and not transfer.ack.done():
+            if transfer is not None and not transfer.done:
                 transfer.abort("prefill failed or was cancelled")
+            if transfer is not None:
+                self.followers.abort(request_id, "prefill failed or was cancelled")
             await self.engine.release(request_id)
+
+    async def _begin(self, request_id: str, dest: pb.KVDestination, num_tokens: int, timeout: float, context) -> PieceSend:
+        """Open this worker's pieces of the prompt's KV (rank 0's here, the followers' on their ranks)."""
+        layout = self.engine.global_layout
+        endpoints = [KVEndpoint(e.host, e.port, e.transport) for e in dest.rank_endpoints or [dest.endpoint]]
+        destination = Destination(dest.transfer_id, self.fingerprint, endpoints, dest.num_kv_heads or layout.num_kv_heads)
+        reached(self.fault_point, "prefill.before_transfer", request_id)
+        try:
+            transfer = PieceSend(self.sender, destination, layout, num_tokens, 0, self.engine.tensor_parallel_size, timeout)
+        except IncompatibleLayouts as exc:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv_destination: {exc}")
+        self.followers.begin(request_id, destination, num_tokens)
+        if self.streamer is not None:
+            self.streamer.track(request_id, transfer)
+        return transfer
 
     async def _run_prefill(self, request_id, prompt, params, context):
         try:
@@ -128,7 +128,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         await context.abort(grpc.StatusCode.ABORTED, "prefill was aborted")
 
-    async def _finish_transfer(self, request_id: str, transfer: OutgoingTransfer, first_out: RequestOutput) -> None:
+    async def _finish_transfer(self, request_id: str, transfer: PieceSend, first_out: RequestOutput) -> None:
         """Send what the streamer did not (without one: every layer), then the trailer with the first token."""
         if self.streamer is None:
             for layer, (k, v) in enumerate(await self.engine.prompt_kv(request_id)):
@@ -137,7 +137,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         transfer.finish(first_out.new_token_ids[0], logprob, first_out.top_logprobs[0] if first_out.top_logprobs else None)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, kv_bytes_sent=self.sender.stats.bytes_sent)
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, kv_bytes_sent=self.kv_bytes_sent)
 
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()

@@ -1,13 +1,17 @@
-"""Rank 0's side of a tensor-parallel group: start the followers, broadcast steps, stop them.
+"""Rank 0's side of a tensor-parallel group: start the followers, run steps on every rank, talk to
+the followers' rank agents, stop them.
 
-The step channel is a local socket (`multiprocessing.connection`, authenticated with a per-group
-key): a TP group always sits on one node (one placement group bundle per rank, STRICT_PACK), and a
-plain pipe has no timeout to trip over while the engine idles. The tensors move over the
-torch.distributed group that `join` sets up.
+The channel to each follower is a local socket (`multiprocessing.connection`, authenticated with a
+per-group key): a TP group always sits on one node (one placement group bundle per rank,
+STRICT_PACK), and a plain socket has no timeout to trip over while the engine idles. Tensors move
+over the torch.distributed group that `join` sets up. A reader thread per follower takes its
+replies; a follower whose channel closes is lost, and so is the group: pending asks fail and the
+next step raises RankLost.
 """
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import datetime
 import logging
@@ -15,17 +19,21 @@ import multiprocessing
 import os
 import secrets
 import socket
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from common.engine_config import EngineConfig
 from engine.errors import RankLost
+from engine.kv_sink import SinkRequest
 from engine.model_loader import check_tensor_parallel
 from engine.model_runner import ModelRunner
+from engine.parallel.messages import STOP, Call, Reply, Step
 from engine.step import StepItem
 
 log = logging.getLogger(__name__)
@@ -43,6 +51,9 @@ class RankInfo:
     """torch.distributed rendezvous, tcp://127.0.0.1:PORT (the ranks share a node)."""
     steps_address: tuple[str, int]
     authkey: bytes
+    agent: tuple[str, Any] | None = None
+    """("module:function", settings): what builds each follower's rank agent
+    (engine.parallel.follower.RankAgent), called with (runtime, rank, engine config, settings)."""
 
     def device(self, configured: str) -> str:
         """One GPU per rank: rank r uses cuda:r of its node; CPU ranks share the CPU."""
@@ -65,6 +76,14 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@dataclass(eq=False)
+class _Ask:
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[dict[int, Any]]
+    waiting: set[int]
+    values: dict[int, Any]
+
+
 class TensorParallelGroup:
     """Rank 0 of a running group. `start` returns once every follower has joined."""
 
@@ -72,16 +91,22 @@ class TensorParallelGroup:
         self.info = info
         self._processes = processes
         self._channels = channels
+        self._send_lock = threading.Lock()
+        self._asks: dict[Hashable, _Ask] = {}
+        self._asks_lock = threading.Lock()
+        self._lost: set[int] = set()
+        for rank, channel in enumerate(channels, start=1):
+            threading.Thread(target=self._read, args=(rank, channel), name=f"pdserve-tp-replies{rank}", daemon=True).start()
 
     @classmethod
-    def start(cls, config: EngineConfig) -> TensorParallelGroup:
+    def start(cls, config: EngineConfig, agent: tuple[str, Any] | None = None) -> TensorParallelGroup:
         from engine.parallel.follower import serve_rank
 
         check_tensor_parallel(config.model, config.tensor_parallel_size)
         world = config.tensor_parallel_size
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        info = RankInfo(0, world, f"tcp://127.0.0.1:{_free_port()}", listener.address, authkey)
+        info = RankInfo(0, world, f"tcp://127.0.0.1:{_free_port()}", listener.address, authkey, agent)
         spawn = multiprocessing.get_context("spawn")
         processes = []
         for rank in range(1, world):
@@ -102,21 +127,87 @@ class TensorParallelGroup:
         log.info("tensor-parallel group of %d ranks ready", world)
         return cls(info, processes, channels)
 
-    def broadcast(self, items: list[StepItem] | None) -> None:
-        """Send the step every rank runs next (None: stop)."""
-        for channel in self._channels:
-            channel.send(items)
+    # ---- steps -------------------------------------------------------------------------------------
+    def run_step(self, runner: ModelRunner, items: list[StepItem], sink_requests: list[SinkRequest],
+                 hook: Callable[[int], None] | None) -> tuple[list[int], torch.Tensor]:
+        """Send the step to every follower, then run rank 0's share of it."""
+        try:
+            self._send_all(Step(items, sink_requests))
+            return runner.execute(items, hook)
+        except (OSError, RuntimeError) as exc:  # a closed channel, a collective whose peer is gone
+            lost = self.lost_ranks()
+            if not lost:
+                raise
+            raise RankLost(f"rank(s) {lost} of the tensor-parallel group exited") from exc
 
-    def runner(self, local: ModelRunner) -> BroadcastingRunner:
-        """Rank 0's model runner: each step goes to every rank, then runs here."""
-        return BroadcastingRunner(local, self)
+    # ---- the followers' rank agents ----------------------------------------------------------------
+    def tell(self, key: Hashable, payloads: dict[int, Any]) -> None:
+        """Give follower ranks a call they answer with no reply (rank -> payload)."""
+        for rank, payload in payloads.items():
+            self._send(rank, Call(key, payload))
+
+    async def ask(self, key: Hashable, payloads: dict[int, Any]) -> dict[int, Any]:
+        """Give follower ranks a call each and wait for every one's reply (rank -> value)."""
+        loop = asyncio.get_running_loop()
+        ask = _Ask(loop, loop.create_future(), set(payloads), {})
+        with self._asks_lock:
+            if key in self._asks:
+                raise ValueError(f"{key!r} is already being asked")
+            self._asks[key] = ask
+        try:
+            if self._lost:
+                raise RankLost(f"rank(s) {sorted(self._lost)} of the tensor-parallel group exited")
+            self.tell(key, payloads)
+            return await ask.future
+        finally:
+            with self._asks_lock:
+                self._asks.pop(key, None)
+
+    def _read(self, rank: int, channel: Connection) -> None:
+        while True:
+            try:
+                reply: Reply = channel.recv()
+            except (EOFError, OSError):
+                self._on_lost(rank)
+                return
+            with self._asks_lock:
+                ask = self._asks.get(reply.key)
+                if ask is None or reply.rank not in ask.waiting:
+                    continue
+                ask.waiting.discard(reply.rank)
+                ask.values[reply.rank] = reply.value
+                done = not ask.waiting
+            if done:
+                ask.loop.call_soon_threadsafe(_resolve, ask.future, ask.values)
+
+    def _on_lost(self, rank: int) -> None:
+        self._lost.add(rank)
+        error = RankLost(f"rank {rank} of the tensor-parallel group exited")
+        with self._asks_lock:
+            pending = list(self._asks.values())
+        for ask in pending:
+            ask.loop.call_soon_threadsafe(_resolve, ask.future, error)
+
+    def _send(self, rank: int, message: Any) -> None:
+        with self._send_lock:
+            self._channels[rank - 1].send(message)
+
+    def _send_all(self, message: Any) -> None:
+        with self._send_lock:
+            for channel in self._channels:
+                channel.send(message)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    @property
+    def followers(self) -> range:
+        return range(1, self.info.world_size)
 
     def lost_ranks(self) -> list[int]:
-        return [rank for rank, p in enumerate(self._processes, start=1) if not p.is_alive()]
+        return sorted(self._lost | {rank for rank, p in enumerate(self._processes, start=1) if not p.is_alive()})
 
     def close(self, timeout: float = 30.0) -> None:
         try:
-            self.broadcast(None)
+            self._send_all(STOP)
         except OSError:
             pass  # a follower already gone
         for process in self._processes:
@@ -129,21 +220,10 @@ class TensorParallelGroup:
             dist.destroy_process_group()
 
 
-class BroadcastingRunner:
-    """The model runner as rank 0 of a group sees it: same `execute`, every rank runs the step."""
-
-    def __init__(self, local: ModelRunner, group: TensorParallelGroup):
-        self.local, self.group = local, group
-
-    def execute(self, batch: list[StepItem], on_layer_written: Callable[[int], None] | None = None) -> tuple[list[int], torch.Tensor]:
-        try:
-            self.group.broadcast(batch)
-            return self.local.execute(batch, on_layer_written)
-        except (OSError, RuntimeError) as exc:  # a closed channel, a collective whose peer is gone
-            lost = self.group.lost_ranks()
-            if not lost:
-                raise
-            raise RankLost(f"rank(s) {lost} of the tensor-parallel group exited") from exc
-
-    def __getattr__(self, name: str):
-        return getattr(self.local, name)
+def _resolve(future: asyncio.Future, outcome: Any) -> None:
+    if future.done():
+        return
+    if isinstance(outcome, BaseException):
+        future.set_exception(outcome)
+    else:
+        future.set_result(outcome)

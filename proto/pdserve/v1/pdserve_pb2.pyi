@@ -157,14 +157,18 @@ class KVEndpoint(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("endpoint", "transfer_id", "model_fingerprint")
+    __slots__ = ("endpoint", "transfer_id", "model_fingerprint", "rank_endpoints", "num_kv_heads")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    RANK_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
+    NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
     endpoint: KVEndpoint
     transfer_id: str
     model_fingerprint: str
-    def __init__(self, endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ...) -> None: ...
+    rank_endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
+    num_kv_heads: int
+    def __init__(self, endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rank_endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "finish_reason")
