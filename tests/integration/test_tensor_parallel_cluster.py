@@ -34,7 +34,7 @@ def run_cluster(tmp_path, model: str, prefill_tp: int, decode_tp: int, prompts: 
             results = list(pool.map(lambda ids: generate(cluster.router.address, ids, MAX_NEW), prompts))
         sent = cluster.worker_stats(cluster.prefill[0]).kv_bytes_sent
         cluster.assert_no_leaked_blocks()
-    for tokens, last in results:
+    for _, last in results:
         assert last.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), last
     return [tokens for tokens, _ in results], sent
 
