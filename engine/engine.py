@@ -117,8 +117,8 @@ class Engine:
             self.loaded.model, self.kv_cache, config.device,
             max_model_len=self.max_model_len, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
         )
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self.counters = StepCounters()
