@@ -7,7 +7,6 @@ requests need any of that work.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
@@ -19,6 +18,8 @@ MAX_LOGIT_BIAS_ENTRIES = 300
 MAX_ABS_LOGIT_BIAS = 100.0
 MAX_ABS_PENALTY = 2.0
 """presence_penalty and frequency_penalty lie in [-2, 2], as in OpenAI's API."""
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
+"""vLLM asks only > 0; the bounds keep a divided logit finite in float32 (1e-300 would round to 0)."""
 
 
 def _is_int(value) -> bool:
@@ -87,9 +88,9 @@ class SamplingParams:
             value = getattr(self, name)
             if not _is_number(value) or not -MAX_ABS_PENALTY <= value <= MAX_ABS_PENALTY:
                 raise InvalidRequestError(name, f"must be a number in [-{MAX_ABS_PENALTY:g}, {MAX_ABS_PENALTY:g}], got {value!r}")
-        rep = self.repetition_penalty
-        if not _is_number(rep) or not (math.isfinite(rep) and rep > 0):
-            raise InvalidRequestError("repetition_penalty", f"must be a finite number > 0 (1 disables), got {rep!r}")
+        rep, (low, high) = self.repetition_penalty, REPETITION_PENALTY_RANGE
+        if not _is_number(rep) or not low <= rep <= high:
+            raise InvalidRequestError("repetition_penalty", f"must be a number in [{low:g}, {high:g}] (1 disables), got {rep!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise InvalidRequestError("min_tokens", f"must be an integer in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
         if len(self.logit_bias) > MAX_LOGIT_BIAS_ENTRIES:

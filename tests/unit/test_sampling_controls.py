@@ -104,7 +104,7 @@ def test_all_together_in_vllms_order():
 def test_sampler_greedy_takes_the_penalised_argmax_and_logprobs_stay_raw():
     x = logits(1, seed=6).repeat(2, 1)
     top = int(x[0].argmax())
-    seqs = [seq([1], [top], rid="a", repetition_penalty=1e4 if x[0, top] > 0 else 1e-4, logprobs=1), seq([1], [top], rid="b")]
+    seqs = [seq([1], [top], rid="a", repetition_penalty=100.0 if x[0, top] > 0 else 0.01, logprobs=1), seq([1], [top], rid="b")]
     samples = Sampler(0, EOS).sample(x, seqs)
     assert samples[0].token_id != top and samples[1].token_id == top
     raw = torch.log_softmax(x[0], dim=-1)
@@ -124,6 +124,7 @@ def test_sampled_rows_never_draw_a_masked_token():
     ({"presence_penalty": float("nan")}, "presence_penalty"),
     ({"frequency_penalty": -2.01}, "frequency_penalty"),
     ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty"),
     ({"repetition_penalty": float("inf")}, "repetition_penalty"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 33}, "min_tokens"),
