@@ -34,6 +34,7 @@ class Sampler:
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._adjuster.forget(request_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         logits = logits.float()
