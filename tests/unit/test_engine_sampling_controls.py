@@ -1,6 +1,6 @@
 """Penalties, logit_bias and min_tokens through the real engine (SmolLM2): greedy with each control
 equals transformers' `generate` with the same control, token for token, all batched together with a
-plain greedy request; the disaggregated path (first token on a prefill-only engine, the rest on a
+plain greedy request (also when the KV budget forces preemption by recompute); the disaggregated path (first token on a prefill-only engine, the rest on a
 decode engine) gives the same tokens as one engine; no KV block leaks."""
 
 from __future__ import annotations
@@ -47,11 +47,13 @@ def cases(demo_prompt_ids, hf_greedy):
     }
 
 
-def test_each_control_matches_hf_generate_in_one_batch(demo_model, hf_reference, hf_greedy, cases):
-    engine = make_engine(demo_model, max_model_len=512)
+@pytest.mark.parametrize("num_kv_blocks", [None, 12], ids=["roomy", "preempting"])
+def test_each_control_matches_hf_generate_in_one_batch(demo_model, hf_reference, hf_greedy, cases, num_kv_blocks):
+    engine = make_engine(demo_model, max_model_len=512, num_kv_blocks=num_kv_blocks)
     for rid, (prompt, params, _) in cases.items():
         engine.add_request(rid, prompt, params)
     out = run_to_completion(engine)
+    assert (engine.stats().num_preemptions > 0) == (num_kv_blocks is not None)
     for rid, (prompt, _, hf_kwargs) in cases.items():
         assert out[rid] == hf_generate(hf_reference, prompt, MAX_NEW, **hf_kwargs), rid
         if rid != "plain":
