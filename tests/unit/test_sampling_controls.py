@@ -114,8 +114,10 @@ def test_sampler_greedy_takes_the_penalised_argmax_and_logprobs_stay_raw():
 def test_sampled_rows_never_draw_a_masked_token():
     x = torch.zeros(1, VOCAB)
     x[0, list(EOS)] = 50.0  # EOS would win almost surely
-    s = seq([1], [], min_tokens=3, temperature=1.0, seed=1)
-    assert all(Sampler(0, EOS).sample(x, [s])[0].token_id not in EOS for _ in range(20))
+    s, sampler = seq([1], [], min_tokens=3, temperature=1.0), Sampler(0, EOS)
+    assert all(sampler.sample(x, [s])[0].token_id not in EOS for _ in range(20))
+    s.output_token_ids = [1, 1, 1]  # min_tokens reached: EOS is almost sure again
+    assert sampler.sample(x, [s])[0].token_id in EOS
 
 
 @pytest.mark.parametrize("params, field", [
@@ -143,3 +145,12 @@ def test_logit_bias_is_stored_sorted_and_hashable():
     p = SamplingParams(logit_bias={9: 1.0, 2: -1.0})
     assert p.logit_bias == ((2, -1.0), (9, 1.0)) and p.adjusts_logits and hash(p) is not None
     assert not SamplingParams().adjusts_logits
+
+
+def test_a_new_request_under_a_finished_ones_id_gets_its_own_prompt():
+    x, adjuster = logits(1, seed=7), LogitsAdjuster(EOS)
+    first, second = seq([1, 2], [], rid="same", repetition_penalty=1.5), seq([3, 4], [], rid="same", repetition_penalty=1.5)
+    adjuster.adjust(x, [first])
+    adjuster.forget("same")
+    for s in (second, first):  # forgotten or not, the cached prompt belongs to one Sequence only
+        assert torch.equal(adjuster.adjust(x, [s])[0], hf(RepetitionPenaltyLogitsProcessor(1.5), s, x[0]))
