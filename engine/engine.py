@@ -115,8 +115,8 @@ class Engine:
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill),
             self.blocks,
         )
-        self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.eos_token_ids)
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self.counters = StepCounters()

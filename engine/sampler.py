@@ -1,17 +1,21 @@
 """Turn the logits of the requests that sample this step into tokens.
 
-Greedy rows take the argmax; the others apply temperature, top-k and top-p and draw with the
-request's own generator (seeded from `SamplingParams.seed`, else from the engine's seed sequence),
+First `LogitsAdjuster` applies the requests' penalties, logit_bias and min_tokens (no work when no
+request of the step uses them). Greedy rows take the argmax of the adjusted logits; the others apply
+temperature, top-k and top-p and draw with the request's own generator (seeded from
+`SamplingParams.seed`, else from the engine's seed sequence),
 so a seeded request samples the same tokens whatever it is batched with. Logprobs come from the
-unmodified model distribution.
+unmodified model distribution (before penalties, bias, temperature, top-k/top-p), as vLLM's default.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from engine.logits_processors import LogitsAdjuster
 from engine.sequence import Sequence
 
 
@@ -23,19 +27,22 @@ class Sample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0):
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()):
+        self._adjuster = LogitsAdjuster(eos_token_ids)
         self._seed_source = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
+        self._adjuster.forget(request_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         logits = logits.float()
-        token_list = torch.argmax(logits, dim=-1).tolist()  # the step's one wait for the device
+        adjusted = self._adjuster.adjust(logits, seqs)
+        token_list = torch.argmax(adjusted, dim=-1).tolist()  # the step's one wait for the device
         drawn = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if drawn:  # drawn on the host with the request's own CPU generator, whatever the device
-            host = logits[drawn].cpu()
+            host = adjusted[drawn].cpu()
             for j, row in enumerate(drawn):
                 token_list[row] = self._draw(host[j], seqs[row])
         samples = [Sample(token_id=t) for t in token_list]

@@ -42,6 +42,11 @@ def sampling_from_proto(msg: pb.SamplingParams, field_prefix: str = "sampling") 
         stop_token_ids=tuple(msg.stop_token_ids),
         ignore_eos=msg.ignore_eos,
         logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+        presence_penalty=msg.presence_penalty,
+        frequency_penalty=msg.frequency_penalty,
+        repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
+        logit_bias=dict(msg.logit_bias),
+        min_tokens=msg.min_tokens,
     )
     try:
         params.validate()
@@ -67,7 +72,13 @@ def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> 
         stop_token_ids=list(params.stop_token_ids),
         stop=list(stop or []),
         ignore_eos=params.ignore_eos,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        logit_bias=dict(params.logit_bias),
+        min_tokens=params.min_tokens,
     )
+    if params.repetition_penalty != 1.0:
+        msg.repetition_penalty = params.repetition_penalty
     if params.seed is not None:
         msg.seed = params.seed
     if params.logprobs is not None:

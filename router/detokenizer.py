@@ -4,7 +4,9 @@ Decoding each token alone breaks multi-byte UTF-8 characters and tokenizers that
 the detokenizer decodes a short window of recent tokens and emits only the new, complete suffix.
 A delta is held back while it ends in an incomplete character (U+FFFD), and while it could be the
 start of a stop string; `finish()` flushes what is left. Stop strings are matched on the text,
-and the text is cut before the stop string (OpenAI semantics).
+and the text is cut before the stop string (OpenAI semantics). With `min_tokens`, the text of the
+first min_tokens output tokens is released as is, never matched (vLLM's rule: a stop string counts
+only once more than min_tokens tokens were generated), like the EOS the sampler masks until then.
 """
 
 from __future__ import annotations
@@ -24,13 +26,14 @@ class DetokenizerStep:
 
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int] | None = None, stop: list[str] | None = None,
-                 skip_special_tokens: bool = True):
+                 skip_special_tokens: bool = True, min_tokens: int = 0):
         self._tokenizer = tokenizer
         self._skip = skip_special_tokens
         self._ids: list[int] = list(prompt_token_ids[-4:]) if prompt_token_ids else []
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
         self._stop = [s for s in (stop or []) if s]
+        self._unmatched_tokens = min_tokens  # output tokens still to come whose text no stop string may match
         self._pending = ""  # decoded but not yet emitted (possible stop-string prefix)
         self.text = ""
         self.stopped = False
@@ -38,10 +41,16 @@ class IncrementalDetokenizer:
     def add(self, token_ids: list[int]) -> DetokenizerStep:
         if self.stopped:
             return DetokenizerStep("", True)
+        released = ""
         for token in token_ids:
             self._ids.append(token)
             self._pending += self._decode_new()
-        return self._release(final=False)
+            if self._unmatched_tokens > 0:  # within min_tokens: final text, never matched
+                self._unmatched_tokens -= 1
+                released, self._pending = released + self._pending, ""
+        self.text += released
+        step = self._release(final=False)
+        return DetokenizerStep(released + step.text, step.stopped)
 
     def finish(self) -> DetokenizerStep:
         if self.stopped:

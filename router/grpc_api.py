@@ -80,7 +80,10 @@ def _sampling(msg: pb.SamplingParams) -> SamplingRequest:
 
     return SamplingRequest(max_tokens=msg.max_tokens or None, temperature=given("temperature"), top_p=given("top_p"),
                            top_k=given("top_k"), seed=given("seed"), stop=list(msg.stop),
-                           stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, logprobs=given("logprobs"))
+                           stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, logprobs=given("logprobs"),
+                           presence_penalty=msg.presence_penalty or None, frequency_penalty=msg.frequency_penalty or None,
+                           repetition_penalty=given("repetition_penalty"), logit_bias=dict(msg.logit_bias),
+                           min_tokens=msg.min_tokens)
 
 
 def add_router_to_server(service: RouterService, server: grpc.aio.Server) -> None:

@@ -78,7 +78,8 @@ class Orchestrator:
 
     async def run(self, request_id: str, request: Validated, skip_detokenize: bool, arrived: float,
                   deadline: float) -> AsyncIterator[pb.GenerateResponse]:
-        detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop)
+        detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop,
+                                                                    min_tokens=request.params.min_tokens)
         state = Progress(request_id, request.prompt_ids, request.params, arrived, deadline, detok)
         budget = RetryBudget(self.config.prefill_retries, self.config.max_migrations)
         failed_prefill: set[str] = set()

@@ -17,7 +17,7 @@ from engine.sampling import SamplingParams
 
 DEFAULTS = SamplingParams(temperature=1.0)
 """What an unset sampling field means (max_tokens aside: the router fills it from the context)."""
-_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "logprobs")
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty")
 
 
 @dataclass(frozen=True)
@@ -59,21 +59,27 @@ class SamplingRequest:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[int, float] = field(default_factory=dict)
+    min_tokens: int = 0
 
     def check_finite(self) -> None:
         """NaN passes every range check (all comparisons are false) and would poison the sampler."""
-        for name in ("temperature", "top_p"):
+        for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
             value = getattr(self, name)
             if value is not None and not math.isfinite(value):
                 raise InvalidRequestError(f"sampling.{name}", f"must be a finite number, got {value}")
 
-    def params(self, max_tokens: int) -> SamplingParams:
-        """Validated engine parameters; errors name `sampling.<field>`."""
+    def params(self, max_tokens: int, vocab_size: int | None = None) -> SamplingParams:
+        """Validated engine parameters (token ids checked against `vocab_size`); errors name `sampling.<field>`."""
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
         params = dataclasses.replace(DEFAULTS, **given, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
-                                     stop_token_ids=tuple(self.stop_token_ids))
+                                     stop_token_ids=tuple(self.stop_token_ids), logit_bias=dict(self.logit_bias),
+                                     min_tokens=self.min_tokens)
         try:
-            params.validate()
+            params.validate(vocab_size)
         except InvalidRequestError as exc:
             raise InvalidRequestError(f"sampling.{exc.field}", exc.message) from None
         return params

@@ -53,10 +53,8 @@ class Validator:
         sampling = request.sampling
         sampling.check_finite()
         # unset max_tokens: as much as fits, at most the default
-        params = sampling.params(sampling.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, max_len - len(ids))))
-        vocab = len(self.tokenizer)
-        if any(t >= vocab for t in params.stop_token_ids):
-            raise InvalidRequestError("sampling.stop_token_ids", f"every id must be < {vocab}")
+        max_tokens = sampling.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, max_len - len(ids)))
+        params = sampling.params(max_tokens, vocab_size=len(self.tokenizer))
         stop = checked_stop(list(sampling.stop))
         if len(ids) + params.max_tokens > max_len:
             raise InvalidRequestError(

@@ -36,18 +36,24 @@ def demo_prompt_ids(demo_model) -> list[list[int]]:
 
 
 @pytest.fixture(scope="session")
-def hf_greedy(demo_model):
-    """hf_greedy(prompt_ids, max_new_tokens) -> generated ids from transformers' own `generate`
-    (a separately loaded copy with HF's default attention; results cached per session)."""
+def hf_reference(demo_model):
+    """The demo model loaded separately by transformers, with HF's default attention."""
     from transformers import AutoModelForCausalLM
 
-    reference = AutoModelForCausalLM.from_pretrained(demo_model.path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(demo_model.path, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_reference):
+    """hf_greedy(prompt_ids, max_new_tokens) -> generated ids from transformers' own `generate`
+    (results cached per session)."""
     return functools.lru_cache(maxsize=None)(
-        lambda ids, n: hf_generate(reference, list(ids), n)
+        lambda ids, n: hf_generate(hf_reference, list(ids), n)
     )
 
 
-def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
+def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **generate_kwargs) -> list[int]:
+    """Greedy `generate`; `generate_kwargs` add HF's own logits controls (repetition_penalty, ...)."""
     with torch.inference_mode():
         out = model.generate(
             torch.tensor([prompt_ids]),
@@ -55,6 +61,7 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
             max_new_tokens=max_new_tokens,
             do_sample=False,
             pad_token_id=0,
+            **generate_kwargs,
         )
     return out[0, len(prompt_ids):].tolist()
 

@@ -61,11 +61,6 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
 def _check_unsupported(body) -> None:
     if body.n is not None and body.n != 1:
         raise invalid("n", f"only n=1 is supported, got {body.n}" if body.n > 1 else f"must be >= 1, got {body.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(body, name):
-            raise invalid(name, "is not supported (only 0)")
-    if body.logit_bias:
-        raise invalid("logit_bias", "is not supported")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise invalid("echo", "is not supported")
@@ -143,7 +138,20 @@ def _sampling(prep: Prepared, body, settings: RouterSettings) -> SamplingRequest
         stop_token_ids=list(body.stop_token_ids or []),
         ignore_eos=bool(body.ignore_eos),
         logprobs=prep.logprobs,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        repetition_penalty=body.repetition_penalty,
+        logit_bias=_logit_bias(body.logit_bias or {}),
+        min_tokens=body.min_tokens or 0,
     )
+
+
+def _logit_bias(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI sends token ids as the JSON object's keys ("50256": -100)."""
+    for key in bias:
+        if not (key.isascii() and key.isdigit() and len(key) <= 10):
+            raise invalid("logit_bias", f"keys must be token ids (non-negative integers as strings), got {key!r}")
+    return {int(key): value for key, value in bias.items()}
 
 
 def param_from_service(field_path: str, prep: Prepared) -> str:

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling import MAX_LOGPROBS
+from engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 """OpenAI's chat roles -> the router's."""
@@ -47,6 +47,8 @@ class _Strict(BaseModel):
 
 TokenId = Annotated[int, Field(ge=0, le=2**32 - 1)]
 PositiveInt = Annotated[int, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-MAX_ABS_PENALTY, le=MAX_ABS_PENALTY)]
+LogitBias = Annotated[float, Field(ge=-MAX_ABS_LOGIT_BIAS, le=MAX_ABS_LOGIT_BIAS)]
 
 
 class StreamOptions(_Strict):
@@ -64,13 +66,16 @@ class _CommonRequest(_Strict):
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float | None = _documented(enum=[0, None])
-    frequency_penalty: float | None = _documented(enum=[0, None])
-    logit_bias: dict[str, float] | None = _documented(maxProperties=0)
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, LogitBias] | None = _documented(maxProperties=MAX_LOGIT_BIAS_ENTRIES,
+                                                          propertyNames={"pattern": "^[0-9]{1,10}$"})
     # extensions in the style of vLLM (the OpenAI client sends them through `extra_body`)
     top_k: Annotated[int, Field(ge=-1, le=2**31 - 1)] | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[TokenId] | None = None
+    repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] | None = None
+    min_tokens: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
 
 
 class CompletionRequest(_CommonRequest):

@@ -110,6 +110,11 @@ sane_sampling = st.builds(
     stop=st.lists(st.text(min_size=1, max_size=8), max_size=4),
     ignore_eos=st.booleans(),
     logprobs=st.none() | st.integers(0, 20),
+    presence_penalty=st.floats(-2, 2),
+    frequency_penalty=st.floats(-2, 2),
+    repetition_penalty=st.none() | st.floats(0.5, 2),
+    logit_bias=st.dictionaries(st.integers(0, VOCAB - 1), st.floats(-100, 100), max_size=5),
+    min_tokens=st.integers(0, MAX_FUZZ_TOKENS),
 )
 wild_sampling = st.builds(
     pb.SamplingParams,
@@ -123,6 +128,11 @@ wild_sampling = st.builds(
     stop=st.lists(st.text(max_size=30), max_size=20),
     ignore_eos=st.booleans(),
     logprobs=st.none() | st.one_of(st.integers(0, 25), st.just(2**32 - 1)),
+    presence_penalty=_floats(),
+    frequency_penalty=_floats(),
+    repetition_penalty=st.none() | _floats(),
+    logit_bias=st.dictionaries(_u32(), _floats(), max_size=20),
+    min_tokens=_u32(),
 )
 
 

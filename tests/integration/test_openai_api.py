@@ -9,9 +9,12 @@ import asyncio
 import openai
 import pytest
 import requests
+from transformers import LogitsProcessorList
 
 from engine.tokenization import encode_chat
 from tests.cluster import LocalCluster, write_config
+from tests.conftest import hf_generate
+from tests.unit.test_engine_sampling_controls import OpenAIPenalties
 
 MODEL = "smollm2-135m"
 MAX_NEW = 16
@@ -132,6 +135,30 @@ def test_stop_string_cuts_the_text(client, demo_model, hf_greedy):
     resp = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=COMPLETION_NEW, stop=[stop, "@@@"])
     assert resp.choices[0].text == text[: text.index(stop)]
     assert resp.choices[0].finish_reason == "stop"
+
+
+def test_logits_controls_match_hf_through_the_cluster(cluster, client, demo_model, hf_reference, hf_greedy):
+    """Penalties, min_tokens and logit_bias (vLLM extensions via extra_body) travel router -> P -> D
+    and give HF generate's tokens with the same controls; each changes the plain greedy output."""
+    tok = demo_model.tokenizer
+    chat_ids = encode_chat(tok, CHAT)
+    plain = hf_greedy(tuple(chat_ids), MAX_NEW)
+    assert len(plain) < 12 and plain[-1] == tok.eos_token_id  # the answer stops early without min_tokens
+    expected = hf_generate(hf_reference, chat_ids, MAX_NEW, repetition_penalty=1.3, min_new_tokens=12)
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=MAX_NEW,
+                                          extra_body={"repetition_penalty": 1.3, "min_tokens": 12})
+    assert resp.choices[0].message.content == tok.decode(expected, skip_special_tokens=True)
+    assert resp.usage.completion_tokens == len(expected) >= 12
+
+    code_ids = tok(PROMPT)["input_ids"]
+    banned = hf_greedy(tuple(code_ids), COMPLETION_NEW)[0]
+    penalties = OpenAIPenalties(len(code_ids), presence=1.5, frequency=1.0)
+    expected = hf_generate(hf_reference, code_ids, COMPLETION_NEW, sequence_bias=[[[banned], -100.0]],
+                           logits_processor=LogitsProcessorList([penalties]))
+    resp = client.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=COMPLETION_NEW,
+                                     presence_penalty=1.5, frequency_penalty=1.0, logit_bias={str(banned): -100})
+    assert resp.choices[0].text == tok.decode(expected, skip_special_tokens=True) and expected[0] != banned
+    cluster.assert_no_leaked_blocks()
 
 
 async def test_leaving_streams_early_frees_every_block(cluster, base_url):

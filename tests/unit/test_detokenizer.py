@@ -37,3 +37,19 @@ def test_stop_string_cuts_text_and_is_never_emitted(tokenizer):
     assert detok.stopped
     assert emitted == "The answer is 42. "
     assert "ST" not in emitted
+
+
+def test_min_tokens_holds_stop_strings_until_enough_tokens(tokenizer):
+    """vLLM's rule: a stop string counts only in text of tokens after the first min_tokens."""
+    ids = tokenizer("one. two. three. four")["input_ids"]
+    first_dot = next(i for i, t in enumerate(ids) if "." in tokenizer.decode([t]))
+    detok = IncrementalDetokenizer(tokenizer, stop=["."], min_tokens=first_dot + 1)
+    emitted, steps = "", 0
+    for t in ids:
+        step = detok.add([t])
+        emitted, steps = emitted + step.text, steps + 1
+        if step.stopped:
+            break
+    assert detok.stopped and emitted == "one. two" and steps > first_dot + 1
+    plain = IncrementalDetokenizer(tokenizer, stop=["."])
+    assert "".join(plain.add([t]).text for t in ids[:first_dot + 1]) == "one" and plain.stopped

@@ -73,7 +73,12 @@ def test_completion_defaults_follow_openai():
     (CompletionRequest, {"prompt": "x", "temperature": True}, "temperature"),
     (CompletionRequest, {"prompt": "x", "echo": True}, "echo"),
     (CompletionRequest, {"prompt": "x", "best_of": 3}, "best_of"),
-    (CompletionRequest, {"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+    (CompletionRequest, {"prompt": "x", "presence_penalty": 2.5}, "presence_penalty"),
+    (CompletionRequest, {"prompt": "x", "frequency_penalty": "1"}, "frequency_penalty"),
+    (CompletionRequest, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (CompletionRequest, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"-5": 1}}, "logit_bias"),
+    (CompletionRequest, {"prompt": "x", "logit_bias": {"5": 100.5}}, "logit_bias.5"),
     (CompletionRequest, {"prompt": "x", "stop_token_ids": [-1]}, "stop_token_ids[0]"),
     (CompletionRequest, {"prompt": [-1]}, "prompt"),
     (CompletionRequest, {"prompt": []}, "prompt"),
@@ -95,6 +100,17 @@ def test_bad_requests_name_the_field(schema, body, param):
     assert error.body()["error"]["type"] == "invalid_request_error"
     if param:
         assert error.message.startswith(param + ":")
+
+
+def test_logits_controls_reach_the_router_request():
+    chat = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": "x"}], presence_penalty=1,
+                  frequency_penalty=-0.5, logit_bias={"5": 2, "17": -100.0}, repetition_penalty=1.2, min_tokens=3,
+                  stop_token_ids=[9]).request.sampling
+    assert (chat.presence_penalty, chat.frequency_penalty, chat.repetition_penalty) == (1.0, -0.5, 1.2)
+    assert chat.logit_bias == {5: 2.0, 17: -100.0} and chat.min_tokens == 3 and chat.stop_token_ids == [9]
+    plain = parsed(CompletionRequest, prompt="x").request.sampling
+    assert plain.params(16) == parsed(CompletionRequest, prompt="x", presence_penalty=0, logit_bias={}).request.sampling.params(16)
+    assert not plain.params(16).adjusts_logits
 
 
 def test_field_names_from_the_router_core():

@@ -9,8 +9,10 @@ import pytest
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+from proto.convert import sampling_from_proto, sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.grpc_api import request_from_proto
+from router.progress import Progress
 from router.request import ChatPrompt, ChatTurn, RouterRequest, SamplingRequest, TextPrompt, TokenPrompt
 from router.validation import Validator
 from tests.unit.test_openai_schema import SETTINGS
@@ -52,8 +54,34 @@ def test_unset_sampling_takes_the_defaults():
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(stop_token_ids=[100])), "sampling.stop_token_ids"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=500)), "sampling.max_tokens"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), model="other"), "model"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(presence_penalty=2.5)), "sampling.presence_penalty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(frequency_penalty=math.inf)), "sampling.frequency_penalty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(repetition_penalty=0)), "sampling.repetition_penalty"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={100: 1})), "sampling.logit_bias"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={5: -101})), "sampling.logit_bias[5]"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=4, min_tokens=5)), "sampling.min_tokens"),
 ])
 def test_errors_name_the_grpc_field(request_, field):
     with pytest.raises(InvalidRequestError) as info:
         validate(request_)
     assert info.value.field == field
+
+
+def test_logits_controls_travel_unchanged_router_to_workers():
+    sampling = pb.SamplingParams(max_tokens=9, presence_penalty=0.3, frequency_penalty=-0.7, repetition_penalty=1.1,
+                                 logit_bias={5: 2.5, 7: -100}, min_tokens=4)
+    params = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=sampling)).params
+    assert (params.presence_penalty, params.frequency_penalty, params.repetition_penalty) == (0.3, -0.7, 1.1)
+    assert params.logit_bias == ((5, 2.5), (7, -100.0)) and params.min_tokens == 4
+    assert sampling_from_proto(sampling_to_proto(params)) == params  # what the prefill and decode workers get
+    assert sampling_from_proto(pb.SamplingParams(max_tokens=3)).repetition_penalty == 1.0  # unset: off
+
+
+def test_a_retry_after_streamed_tokens_keeps_min_tokens_counting():
+    state = Progress("r", [1, 2], SamplingParams(max_tokens=8, min_tokens=5), 0.0, 60.0, detok=None)
+    state.generated = [3, 4, 5]
+    retry = state.next_attempt()
+    assert list(retry.token_ids) == [1, 2, 3, 4, 5]
+    assert (retry.sampling.max_tokens, retry.sampling.min_tokens) == (5, 2)
+    state.generated = [3] * 7
+    assert state.next_attempt().sampling.min_tokens == 0
