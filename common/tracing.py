@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.resources import SERVICE_INSTANCE_ID, SERVICE_NAME, Resource
@@ -163,6 +164,13 @@ def incoming_context(grpc_context: Any) -> Context:
     """The trace context a gRPC call's metadata carries (an empty Context when none)."""
     metadata = grpc_context.invocation_metadata() or ()
     return context_from({key: value for key, value in metadata if isinstance(value, str)})
+
+
+def http_context(headers: Mapping[str, str]) -> Context:
+    """The parent of an HTTP request's spans: the web framework's request span when it made one
+    current (FastAPI's own telemetry, which continued the client's trace), else the headers' context."""
+    current = otel_context.get_current()
+    return current if trace.get_current_span(current).get_span_context().is_valid else context_from(headers)
 
 
 def context_from(carrier: Mapping[str, str]) -> Context:

@@ -20,6 +20,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from contextlib import aclosing
 
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
@@ -55,8 +56,9 @@ class RouterService:
         the client's trace when `trace_parent` carries one (common/tracing.py)."""
         request_id = request.request_id or uuid.uuid4().hex
         with span("generate", trace_parent or Context(), SpanKind.SERVER, request_id=request_id) as root:
-            async for response in self._stream(request, request_id, timeout_s, root):
-                yield response
+            async with aclosing(self._stream(request, request_id, timeout_s, root)) as responses:  # closed with this stream
+                async for response in responses:
+                    yield response
 
     async def _stream(self, request: RouterRequest, request_id: str, timeout_s: float | None, root: Span) -> AsyncIterator[pb.GenerateResponse]:
         arrived = time.monotonic()

@@ -2,7 +2,7 @@
 
 A real cluster (router + 1 prefill + 1 decode worker as processes, the demo model, TCP KV transport)
 runs with `tracing.exporter: file`: every process appends its spans as JSON lines to its own file in
-one directory. The client sends a W3C `traceparent`; after the cluster stopped (each process flushes
+one directory. The clients (gRPC and the OpenAI HTTP API) send a W3C `traceparent`; after the cluster stopped (each process flushes
 its spans on exit), the test reads every file and checks the span tree of each request: one trace
 id across the processes, each span under its parent, the attributes, and errors where a KV transfer
 was corrupted on purpose (the first attempt of a request whose id starts with `retry-`).
@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import requests
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -24,6 +25,7 @@ MAX_NEW = 8
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 CLIENT_SPAN = "00f067aa0ba902b7"
 RETRY_TRACE = "2" * 32
+HTTP_TRACE = "3" * 32
 
 
 def generate(address: str, prompt_ids: list[int], request_id: str, trace_id: str) -> tuple[list[int], pb.GenerateResponse]:
@@ -79,6 +81,12 @@ def traced(tmp_path_factory, demo_prompt_ids, hf_greedy):
         results = {rid: generate(cluster.router.address, ids, rid, trace_id) for rid, (trace_id, ids) in jobs.items()}
         for rid, (_, ids) in jobs.items():
             assert results[rid][0] == hf_greedy(tuple(ids), MAX_NEW), rid
+        http = requests.post(cluster.http_url + "/v1/completions", timeout=120,
+                             json={"model": "smollm2-135m", "prompt": demo_prompt_ids[2], "max_tokens": MAX_NEW, "temperature": 0},
+                             headers={"traceparent": f"00-{HTTP_TRACE}-{CLIENT_SPAN}-01"})
+        assert http.status_code == 200, http.text
+        for path in ("/health", "/metrics"):  # untraced: probes and scrapes are no requests
+            assert requests.get(cluster.http_url + path, timeout=10).status_code == 200
         cluster.assert_no_leaked_blocks()
     return results, read_spans(root / "spans"), {rid: len(ids) for rid, (_, ids) in jobs.items()}
 
@@ -129,3 +137,16 @@ def test_a_retried_prefill_shows_the_failed_attempt(traced):
     assert tree.parent(ok_send) is ok_prefill and ok_send["status"]["status_code"] == "UNSET"
     assert len(tree.all("pdserve-decode", "decode")) == 2 == len(tree.all("pdserve-router", "decode.admit"))
     assert results["retry-1"][1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
+
+
+def test_the_openai_api_continues_the_clients_trace_too(traced):
+    _, spans, _ = traced
+    tree = Tree(spans, HTTP_TRACE)
+    generate = tree.one("pdserve-router", "generate")
+    http = tree.parent(generate)  # FastAPI's own span of the HTTP request, under the client's span
+    assert http["name"] == "POST /v1/completions" and http["parent_id"] == "0x" + CLIENT_SPAN
+    assert http["attributes"]["http.response.status_code"] == 200 and generate["attributes"]["pdserve.outcome"] == "ok"
+    assert tree.parent(tree.one("pdserve-decode", "decode")) is generate
+    assert tree.parent(tree.parent(tree.one("pdserve-prefill", "kv.send"))) is tree.one("pdserve-router", "prefill")
+    assert len(tree.spans) == 8
+    assert not [s["name"] for s in spans if s["name"].startswith("GET ")]

@@ -16,6 +16,7 @@ import textwrap
 
 import grpc
 import pytest
+from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.sdk.trace import TracerProvider
@@ -30,6 +31,7 @@ from common.tracing import (
     context_from,
     context_of,
     fail,
+    http_context,
     make_exporter,
     outgoing_metadata,
     server_span,
@@ -132,6 +134,18 @@ def test_span_tree_across_grpc_metadata(finished):
     assert server.attributes["pdserve.worker_id"] == "p0"
     assert root.resource.attributes["service.name"] == "pdtest-router"
     assert root.resource.attributes["service.instance.id"] == "router-7"
+
+
+def test_http_requests_hang_under_the_frameworks_span_else_the_headers(finished):
+    header = {"traceparent": "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"}
+    assert trace.get_current_span(http_context(header)).get_span_context().span_id == 0xb7ad6b7169203331
+    with span("POST /v1/completions", Context()) as framework:
+        token = otel_context.attach(context_of(framework))  # what FastAPI's telemetry does around the endpoint
+        try:
+            parent = http_context(header)
+        finally:
+            otel_context.detach(token)
+    assert trace.get_current_span(parent) is framework
 
 
 def test_errors_set_status_with_the_message(finished):
