@@ -135,6 +135,9 @@ class PoolConfig:
     """torch threads per worker; defaults to its CPU share."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources of each worker's bundle (node pinning, accelerator types)."""
+    tensor_parallel_size: int = 1
+    """Ranks per worker: the model split over this many processes (one GPU each on CUDA) on one node.
+    It must divide the model's attention and KV heads."""
 
     def validate(self, prefix: str) -> None:
         for name in ("replicas", "min_replicas", "max_replicas"):
@@ -153,6 +156,7 @@ class PoolConfig:
         if self.num_threads is not None:
             positive_int(f"{prefix}.num_threads", self.num_threads)
         custom_resources(f"{prefix}.resources", self.resources)
+        positive_int(f"{prefix}.tensor_parallel_size", self.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -346,7 +350,7 @@ class PdserveConfig:
         """The engine config of a `role` worker: torch threads default to its pool's CPU share."""
         pool = getattr(self.pools, role)
         threads = self.engine.num_threads or pool.num_threads or max(1, int(pool.num_cpus))
-        return dataclasses.replace(self.engine, num_threads=threads)
+        return dataclasses.replace(self.engine, num_threads=threads, tensor_parallel_size=pool.tensor_parallel_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -367,6 +371,8 @@ def config_from_dict(data: dict[str, Any]) -> PdserveConfig:
     if not isinstance(data, dict):
         raise ConfigError("config", "the top level must be a mapping")
     reject_unknown(data, PdserveConfig, "")
+    if "tensor_parallel_size" in _section(data, "engine"):
+        raise ConfigError("engine.tensor_parallel_size", "is set per pool: pools.prefill.tensor_parallel_size, pools.decode.tensor_parallel_size")
     engine = EngineConfig.from_dict(_section(data, "engine"), prefix="engine")
     kv = _build(KVTransferConfig, _section(data, "kv_transfer"), "kv_transfer")
     router = _build(RouterConfig, _section(data, "router"), "router")

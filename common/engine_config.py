@@ -39,6 +39,9 @@ class EngineConfig:
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
     seed: int = 0
+    tensor_parallel_size: int = 1
+    """Ranks (processes, one GPU each on CUDA) the model is split over; set per pool in a cluster config
+    (`pools.<role>.tensor_parallel_size`), which `PdserveConfig.engine_for` copies here."""
 
     def __post_init__(self) -> None:
         self.validate()
@@ -55,7 +58,8 @@ class EngineConfig:
         if fraction is not None and (not is_number(fraction) or not 0 < fraction < 1):
             raise ConfigError(f"{prefix}.kv_cache_memory_fraction", f"must be a number in (0, 1), got {fraction!r}")
         non_negative_int(f"{prefix}.cuda_graph_max_batch", self.cuda_graph_max_batch)
-        for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads"):
+        for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads",
+                     "tensor_parallel_size"):
             positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)
 
     @classmethod

@@ -33,6 +33,7 @@ from common.registration import RegistrationLoop
 from common.security import InsecureBind, Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from common.tracing import setup_tracing
+from common.validation import ConfigError
 
 
 @dataclass
@@ -74,7 +75,7 @@ def worker_main(role: str, serve: Serve, argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     try:
         asyncio.run(serve(config, args, args.worker_id or f"{role}-{uuid.uuid4().hex[:8]}"))
-    except InsecureBind as exc:
+    except (InsecureBind, ConfigError) as exc:
         logging.getLogger(__name__).error("%s", exc)
         return 2
     return 0
@@ -82,6 +83,9 @@ def worker_main(role: str, serve: Serve, argv: list[str] | None = None) -> int:
 
 async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
                      control: ServerControl | None = None) -> None:
+    if getattr(config.pools, role).tensor_parallel_size > 1:
+        raise ConfigError(f"pools.{role}.tensor_parallel_size", "a tensor-parallel worker needs the rank-to-rank KV path, which "
+                          "this version does not have yet; tensor parallelism runs in `pdserve generate --local -c CONFIG`")
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
     hosts = [args.host, *([config.kv_transfer.host] if role == "decode" else [])]
     security.require_secret_for(hosts, config.security.allow_unauthenticated, f"{role} worker {worker_id}")

@@ -1,6 +1,6 @@
 """The `pdserve` command line.
 
-  pdserve generate PROMPT --local [--model M] ...   run the engine in this process
+  pdserve generate PROMPT --local [-c CONFIG] [--model M] ...   run the engine in this process
   pdserve generate PROMPT --router HOST:PORT ...     send the request through a running router
   pdserve model fetch [MODEL]                        resolve/convert a model once (demo: smollm2-135m)
   pdserve bench engine|kvtransfer|serve [...]        benchmarks (see bench/, docs/benchmarks.md)
@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import logging
@@ -19,7 +20,9 @@ import os
 import sys
 import uuid
 
+from common.config import load_config
 from common.engine_config import EngineConfig
+from common.validation import ConfigError
 from deploy import commands
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
@@ -37,7 +40,10 @@ def main(argv: list[str] | None = None) -> int:
     where = gen.add_mutually_exclusive_group(required=True)
     where.add_argument("--local", action="store_true", help="run the engine in this process")
     where.add_argument("--router", metavar="HOST:PORT", help="send the request to a running router")
-    gen.add_argument("--model", default="smollm2-135m")
+    gen.add_argument("-c", "--config", default=None,
+                     help="--local: run the engine of this cluster config as its decode worker would (model, dtype, "
+                          "KV pool, pools.decode.tensor_parallel_size)")
+    gen.add_argument("--model", default=None, help="--local: the model (default: the config's, else smollm2-135m)")
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
@@ -88,7 +94,7 @@ def _generate(args: argparse.Namespace) -> int:
         else:
             result = generate_via_router(args.router, args.prompt, params, raw=args.raw, timeout=args.timeout, tls=args.tls,
                                          tls_ca_file=args.tls_ca_file, tls_server_name=args.tls_server_name, api_key=args.api_key)
-    except EngineError as exc:
+    except (EngineError, ConfigError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     if args.json:
@@ -102,7 +108,10 @@ def _generate_local(args: argparse.Namespace, params) -> dict:
     from engine import Engine  # torch: only for --local
 
     params.validate()
-    engine = Engine(EngineConfig(model=args.model))
+    config = load_config(args.config).engine_for("decode") if args.config else EngineConfig()
+    if args.model:
+        config = dataclasses.replace(config, model=args.model)
+    engine = Engine(config)
     tokenizer = engine.loaded.tokenizer
     prompt_ids = encode_prompt(tokenizer, args.prompt, raw=args.raw)
     request_id = uuid.uuid4().hex
@@ -111,6 +120,7 @@ def _generate_local(args: argparse.Namespace, params) -> dict:
     while engine.has_work():
         for out in engine.step():
             token_ids.extend(out.new_token_ids)
+    engine.close()
     text = tokenizer.decode(token_ids, skip_special_tokens=True)
     return {"text": text, "token_ids": token_ids, "prompt_token_ids": prompt_ids}
 

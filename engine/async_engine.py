@@ -58,6 +58,7 @@ class AsyncEngine:
         self._wakeup.set()
         self._thread.join(timeout=30)
         self._thread = None
+        self._engine.close()
 
     # ---- what the KV transfer needs to know -----------------------------------------------------
     @property

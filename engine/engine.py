@@ -24,10 +24,10 @@ import torch
 from common.engine_config import EngineConfig
 from engine.block_manager import BlockManager
 from engine.errors import InvalidRequestError
-from engine.kv_cache import KVCache, KVLayout
 from engine.kv_sink import KVLayerSink
-from engine.model_loader import LoadedModel, load_model
-from engine.model_runner import ModelRunner
+from engine.model_loader import LoadedModel
+from engine.parallel import TensorParallelGroup
+from engine.runtime import build_runtime
 from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
@@ -95,27 +95,19 @@ class Engine:
         self.config = config
         self.kv_sink = kv_sink
         self._apply_num_threads()
-        self.loaded = loaded or load_model(config.model, config.dtype, config.device)
-        model_config = self.loaded.config
-        self.max_model_len = config.max_model_len or model_config.max_position_embeddings
-        self.vocab_size = model_config.vocab_size
-        self.layout = KVLayout(
-            num_layers=model_config.num_hidden_layers,
-            num_kv_heads=model_config.num_key_value_heads,
-            head_dim=getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads,
-            block_size=config.block_size,
-            dtype=self.loaded.dtype,
-        )
-        num_blocks = KVCache.blocks_for_config(self.layout, config)
-        self.kv_cache = KVCache(self.layout, num_blocks, config.device)
+        if loaded is not None and config.tensor_parallel_size > 1:
+            raise ValueError("a tensor-parallel engine loads its own shard on every rank: pass no loaded model")
+        self.parallel = TensorParallelGroup.start(config) if config.tensor_parallel_size > 1 else None
+        runtime = build_runtime(config, loaded)
+        self.loaded, self.layout, self.kv_cache = runtime.loaded, runtime.layout, runtime.kv_cache
+        self.max_model_len = runtime.max_model_len
+        self.vocab_size = self.loaded.config.vocab_size
+        self.runner = runtime.runner if self.parallel is None else self.parallel.runner(runtime.runner)
+        num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill),
             self.blocks,
-        )
-        self.runner = ModelRunner(
-            self.loaded.model, self.kv_cache, config.device,
-            max_model_len=self.max_model_len, cuda_graph_max_batch=min(config.cuda_graph_max_batch, config.max_num_seqs),
         )
         self.sampler = Sampler(config.seed)
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -190,6 +182,12 @@ class Engine:
         if seq is not None:
             self.blocks.free(seq)
 
+    def close(self) -> None:
+        """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
+        if self.parallel is not None:
+            self.parallel.close()
+            self.parallel = None
+
     # ---- stepping ------------------------------------------------------------------------------
     def has_work(self) -> bool:
         return self.scheduler.num_unfinished > 0 or bool(self._pending_outputs)
@@ -202,7 +200,8 @@ class Engine:
             return outputs
         started = time.perf_counter()
         self._apply_num_threads()
-        ordered, logits = self.runner.execute(plan.scheduled, self._layer_hook(plan.scheduled))
+        order, logits = self.runner.execute([s.step_item() for s in plan.scheduled], self._layer_hook(plan.scheduled))
+        ordered = [plan.scheduled[i] for i in order]
         sampling = [s.seq for s in ordered if s.samples]
         samples = self.sampler.sample(logits, sampling)
         self.counters.record(ordered, len(sampling), time.perf_counter() - started)

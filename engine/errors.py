@@ -24,3 +24,8 @@ class ModelLoadError(EngineError):
         self.message = message
         super().__init__(f"{field}: {message}")
 
+
+
+class RankLost(EngineError):
+    """A rank of the engine's tensor-parallel group exited: no step can run again; the worker is lost
+    as a whole (its requests fail or migrate, the controller replaces the worker)."""

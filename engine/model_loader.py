@@ -131,8 +131,10 @@ def _convert_gguf_to_hf(gguf: Path, target: Path) -> None:
     staging.rename(target)
 
 
-def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load model and tokenizer for `ref` in eval mode on `device`."""
+def load_model(ref: str, dtype: str = "float32", device: str = "cpu", tensor_parallel_size: int = 1) -> LoadedModel:
+    """Load model and tokenizer for `ref` in eval mode on `device`. With tensor_parallel_size N > 1
+    (called on every rank of a joined torch.distributed group) each rank gets its shard, split by
+    transformers' tensor-parallel plan: 1/N of the attention and KV heads and of the MLP."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if dtype not in DTYPES:
@@ -144,6 +146,9 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedM
         directory, kwargs["gguf_file"] = os.path.dirname(path) or ".", os.path.basename(path)
     else:
         directory = path
+    if tensor_parallel_size > 1:
+        check_tensor_parallel(path, tensor_parallel_size)
+        kwargs.update(_tensor_parallel_kwargs())
     try:
         model = AutoModelForCausalLM.from_pretrained(directory, **kwargs)
         tokenizer = AutoTokenizer.from_pretrained(directory, **({"gguf_file": kwargs["gguf_file"]} if "gguf_file" in kwargs else {}))
@@ -151,3 +156,31 @@ def load_model(ref: str, dtype: str = "float32", device: str = "cpu") -> LoadedM
         raise ModelLoadError("model", f"could not load {ref!r}: {exc}") from exc
     model.to(device).eval()
     return LoadedModel(model=model, tokenizer=tokenizer, path=path, dtype=torch_dtype)
+
+
+def check_tensor_parallel(ref: str, size: int) -> None:
+    """Refuse a TP size that does not split the model's heads evenly, before loading any weight."""
+    from transformers import AutoConfig
+
+    path = resolve_model_path(ref)
+    if path.endswith(".gguf"):
+        config = AutoConfig.from_pretrained(os.path.dirname(path) or ".", gguf_file=os.path.basename(path))
+    else:
+        config = AutoConfig.from_pretrained(path)
+    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    if heads % size or kv_heads % size:
+        fits = [n for n in range(1, kv_heads + 1) if kv_heads % n == 0 and heads % n == 0]
+        raise ModelLoadError(
+            "tensor_parallel_size",
+            f"{size} does not divide this model's {heads} attention heads and {kv_heads} KV heads; use one of {fits}",
+        )
+
+
+def _tensor_parallel_kwargs() -> dict:
+    """from_pretrained's tensor-parallel arguments: `distributed_config` where transformers has it,
+    the older `tp_plan` otherwise."""
+    try:
+        from transformers.distributed import DistributedConfig
+    except ImportError:
+        return {"tp_plan": "auto"}
+    return {"distributed_config": DistributedConfig(tp_plan="auto")}

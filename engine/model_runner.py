@@ -27,8 +27,7 @@ from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, Works
 from engine.attention_batched import BatchedMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
-from engine.scheduler import ScheduledSeq
-from engine.sequence import Sequence
+from engine.step import StepItem
 
 log = logging.getLogger(__name__)
 
@@ -40,16 +39,6 @@ similar context length also cut padding to each group's own longest context."""
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _tokens(seq: Sequence, start: int, end: int) -> list[int]:
-    """seq.token_ids[start:end] without building the whole list."""
-    prompt, n = seq.prompt_token_ids, len(seq.prompt_token_ids)
-    if end <= n:
-        return prompt[start:end]
-    if start >= n:
-        return seq.output_token_ids[start - n : end - n]
-    return prompt[start:] + seq.output_token_ids[: end - n]
 
 
 class ModelRunner:
@@ -95,14 +84,15 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(
-        self, batch: list[ScheduledSeq], on_layer_written: Callable[[int], None] | None = None
-    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        """Returns the batch in packed order and the logits `[num_sampling, vocab]` of its sampling members
-        (in the same relative order)."""
+        self, batch: list[StepItem], on_layer_written: Callable[[int], None] | None = None
+    ) -> tuple[list[int], torch.Tensor]:
+        """Returns the packed order (indices into `batch`) and the logits `[num_sampling, vocab]` of the
+        sampling members of the batch, in that order."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        decodes = sorted((s for s in batch if s.num_tokens == 1), key=lambda s: s.seq.num_computed_tokens)
-        ordered = decodes + [s for s in batch if s.num_tokens > 1]
+        decodes = sorted((i for i, s in enumerate(batch) if s.num_tokens == 1), key=lambda i: batch[i].start)
+        order = decodes + [i for i, s in enumerate(batch) if s.num_tokens > 1]
+        ordered = [batch[i] for i in order]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
         meta = self._metadata(ordered, len(decodes), slots, on_layer_written)
         out = self.model(
@@ -112,18 +102,17 @@ class ModelRunner:
             logits_to_keep=sampling_rows,
             paged=meta,
         )
-        return ordered, out.logits[0]
+        return order, out.logits[0]
 
-    def _pack(self, ordered: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _pack(self, ordered: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         sampling_rows: list[int] = []
         for item in ordered:
-            seq, start, n = item.seq, item.seq.num_computed_tokens, item.num_tokens
-            table = seq.block_ids
-            ids.extend(_tokens(seq, start, start + n))
+            start, n, table = item.start, item.num_tokens, item.block_ids
+            ids.extend(item.token_ids)
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if item.samples:
@@ -138,7 +127,7 @@ class ModelRunner:
 
     def _metadata(
         self,
-        ordered: list[ScheduledSeq],
+        ordered: list[StepItem],
         num_decodes: int,
         slots: torch.Tensor,
         on_layer_written: Callable[[int], None] | None,
@@ -148,9 +137,9 @@ class ModelRunner:
         start = num_decodes
         most_blocks = max((g.block_table.numel() for g in groups), default=0)
         for item in ordered[num_decodes:]:
-            ctx, n = item.seq.num_computed_tokens, item.num_tokens
+            ctx, n = item.start, item.num_tokens
             num_blocks = _cdiv(ctx + n, self.block_size)
-            table = torch.tensor(item.seq.block_ids[:num_blocks], dtype=torch.long, device=self.device)
+            table = torch.tensor(item.block_ids[:num_blocks], dtype=torch.long, device=self.device)
             mask = None
             if ctx:
                 rows = torch.arange(ctx, ctx + n, device=self.device).unsqueeze(1)
@@ -169,10 +158,10 @@ class ModelRunner:
             on_layer_written=on_layer_written,
         )
 
-    def _decode_groups(self, decodes: list[ScheduledSeq]) -> list[DecodeGroup]:
+    def _decode_groups(self, decodes: list[StepItem]) -> list[DecodeGroup]:
         """Split decodes (sorted by context length) into groups of at most DECODE_GROUP_KEYS padded keys."""
         bs = self.block_size
-        lens = [s.seq.num_computed_tokens + 1 for s in decodes]
+        lens = [s.start + 1 for s in decodes]
         groups: list[DecodeGroup] = []
         i = 0
         while i < len(decodes):
@@ -182,7 +171,7 @@ class ModelRunner:
             width = _cdiv(lens[j - 1], bs)
             table: list[int] = []
             for item in decodes[i:j]:
-                blocks = item.seq.block_ids[:width]
+                blocks = item.block_ids[:width]
                 table.extend(blocks)
                 table.extend([0] * (width - len(blocks)))
             group_lens = lens[i:j]
@@ -203,23 +192,25 @@ class ModelRunner:
 
     # ---- batched path (CUDA) -------------------------------------------------------------------
     def _execute_batched(
-        self, batch: list[ScheduledSeq], on_layer_written: Callable[[int], None] | None
-    ) -> tuple[list[ScheduledSeq], torch.Tensor]:
-        decodes = [s for s in batch if s.num_tokens == 1]
-        ordered = decodes + [s for s in batch if s.num_tokens > 1]
+        self, batch: list[StepItem], on_layer_written: Callable[[int], None] | None
+    ) -> tuple[list[int], torch.Tensor]:
+        order = [i for i, s in enumerate(batch) if s.num_tokens == 1]
+        order += [i for i, s in enumerate(batch) if s.num_tokens > 1]
+        ordered = [batch[i] for i in order]
+        decodes = [s for s in ordered if s.num_tokens == 1]
         sampling = [i for i, s in enumerate(ordered) if s.samples]
         graphs = self.graphs
         if graphs is not None and len(decodes) == len(ordered) and on_layer_written is None and len(decodes) <= graphs.max_batch:
             logits = graphs.run(self._decode_rows(decodes, graphs.bucket(len(decodes)), graphs.width))
             rows = slice(0, len(decodes)) if len(sampling) == len(decodes) else torch.tensor(sampling, device=self.device)
-            return ordered, logits[rows]
+            return order, logits[rows]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
         decode = None
         if decodes:
-            width = max(_cdiv(s.seq.num_computed_tokens + 1, self.block_size) for s in decodes)
+            width = max(_cdiv(s.start + 1, self.block_size) for s in decodes)
             rows = self._decode_rows(decodes, len(decodes), width)
             decode = DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), paged_decode.KERNELS[self.decode_kernel])
-        chunks = [(s.seq.block_ids, s.seq.num_computed_tokens, s.num_tokens) for s in ordered[len(decodes) :]]
+        chunks = [(s.block_ids, s.start, s.num_tokens) for s in ordered[len(decodes) :]]
         meta = BatchedMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
@@ -231,14 +222,13 @@ class ModelRunner:
         out = self.model(
             input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, logits_to_keep=sampling_rows, paged=meta
         )
-        return ordered, out.logits[0]
+        return order, out.logits[0]
 
-    def _decode_rows(self, decodes: list[ScheduledSeq], rows: int, width: int) -> DecodeRows:
-        seqs = [s.seq for s in decodes]
+    def _decode_rows(self, decodes: list[StepItem], rows: int, width: int) -> DecodeRows:
         return decode_rows(
-            [s.block_ids for s in seqs],
-            [s.num_computed_tokens for s in seqs],
-            [_tokens(s, s.num_computed_tokens, s.num_computed_tokens + 1)[0] for s in seqs],
+            [s.block_ids for s in decodes],
+            [s.start for s in decodes],
+            [s.token_ids[0] for s in decodes],
             rows,
             width,
             self.block_size,

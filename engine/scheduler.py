@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
 from engine.sequence import RequestState, Sequence
+from engine.step import StepItem
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class ScheduledSeq:
     def samples(self) -> bool:
         """True when this step computes the sequence's last known token, so a new one is sampled."""
         return self.seq.num_computed_tokens + self.num_tokens == self.seq.num_tokens
+
+    def step_item(self) -> StepItem:
+        seq, start = self.seq, self.seq.num_computed_tokens
+        return StepItem(seq.token_slice(start, start + self.num_tokens), start, seq.block_ids, self.samples)
 
 
 @dataclass

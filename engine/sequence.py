@@ -83,6 +83,15 @@ class Sequence:
     def finish_reason(self) -> FinishReason | None:
         return _FINISH_REASONS.get(self.state)
 
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """token_ids[start:end] without building the whole list."""
+        prompt, n = self.prompt_token_ids, len(self.prompt_token_ids)
+        if end <= n:
+            return prompt[start:end]
+        if start >= n:
+            return self.output_token_ids[start - n : end - n]
+        return prompt[start:] + self.output_token_ids[: end - n]
+
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
 

@@ -18,7 +18,7 @@ def capture_decode_step(engine: Engine, batch: int, iters: int = 20) -> dict:
         raise RuntimeError(f"the engine captured no CUDA graphs (decode kernel {runner.decode_kernel!r}): {runner.fallback_reason}")
     seqs = prefilled(engine, batch, 40, 8)
     try:
-        items = [ScheduledSeq(seq, 1) for seq in seqs]
+        items = [ScheduledSeq(seq, 1).step_item() for seq in seqs]
         device = str(runner.device)
         graph_logits = runner.execute(items)[1].float().clone()
         graph_ms = time_ms(lambda: runner.execute(items), device, iters)

@@ -149,7 +149,7 @@ def _weight_bytes_read(model: torch.nn.Module) -> int:
 def _decode_at(engine: Engine, batch: int, s: CheckSettings, weights: int, hbm_gbps: float) -> dict:
     seqs = correctness.prefilled(engine, batch, s.decode_context, s.decode_iters * 3 + 8)
     try:
-        items = [ScheduledSeq(seq, 1) for seq in seqs]
+        items = [ScheduledSeq(seq, 1).step_item() for seq in seqs]
         runner, dev = engine.runner, s.device
         timings = {}
         if runner.graphs is not None:
