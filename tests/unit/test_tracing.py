@@ -97,8 +97,15 @@ def test_config_section_defaults_and_field_named_errors():
         assert err.value.field == field, (bad, err.value)
 
 
+def run_fresh(code: str) -> None:
+    """`code` in a fresh interpreter (its own global tracer provider); it must print ok."""
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "PYTHONPATH": str(REPO)})
+    assert done.stdout.strip() == "ok", done.stderr
+
+
 def test_disabled_installs_nothing_and_propagates_nothing():
-    code = textwrap.dedent("""
+    run_fresh("""
         from opentelemetry import trace
         from opentelemetry.context import Context
         from common.config import TracingConfig
@@ -111,9 +118,27 @@ def test_disabled_installs_nothing_and_propagates_nothing():
         stop()
         print("ok")
     """)
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
-                          env={**os.environ, "PYTHONPATH": str(REPO)})
-    assert done.stdout.strip() == "ok", done.stderr
+
+
+def test_enabled_installs_the_configured_provider_and_flushes_at_stop(tmp_path):
+    run_fresh(f"""
+        import json, os, pathlib
+        from opentelemetry import trace
+        from opentelemetry.context import Context
+        from common.config import config_from_dict
+        from common.tracing import setup_tracing, span
+        config = config_from_dict({{"tracing": {{"enabled": True, "exporter": "file", "directory": "{tmp_path}"}}}})
+        stop = setup_tracing(config.tracing, "decode", "decode-3")
+        with span("decode", Context(), request_id="r.0"):
+            pass
+        stop()  # flushes the batch processor
+        (line,) = pathlib.Path("{tmp_path}", f"pdserve-decode-{{os.getpid()}}.jsonl").read_text().splitlines()
+        exported = json.loads(line)
+        assert exported["name"] == "decode" and exported["attributes"] == {{"pdserve.request_id": "r.0"}}, exported
+        resource = exported["resource"]["attributes"]
+        assert (resource["service.name"], resource["service.instance.id"]) == ("pdserve-decode", "decode-3"), resource
+        print("ok")
+    """)
 
 
 def test_span_tree_across_grpc_metadata(finished):
