@@ -9,6 +9,7 @@ re-reads the file. Field reference: docs/configuration.md.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,12 @@ from common.validation import (
 
 WIRE_DTYPES = ("auto", "native", "int8", "fp8")  # kvtransfer/codec.py (not imported: config stays torch-free)
 PLACEMENT_STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+TRACE_EXPORTERS = ("console", "file", "otlp")
+OTLP_MODULES = {
+    "grpc": "opentelemetry.exporter.otlp.proto.grpc.trace_exporter",
+    "http": "opentelemetry.exporter.otlp.proto.http.trace_exporter",
+}
+"""Where the optional OTLP span exporter of each protocol lives (`pdserve[otlp]`)."""
 DEFAULT_CONFIG = Path(__file__).parent.parent / "deploy" / "configs" / "local.yaml"
 """Shipped with the `deploy` package (package data), where the docs and scripts point."""
 
@@ -282,6 +289,43 @@ class SecurityConfig:
 
 
 @dataclass(frozen=True)
+class TracingConfig:
+    """OpenTelemetry spans of each request (common/tracing.py; spans: docs/observability.md). Off by default."""
+
+    enabled: bool = False
+    exporter: str = "console"
+    """console (stderr), file (JSON lines under `directory`) or otlp (needs `pip install 'pdserve[otlp]'`)."""
+    endpoint: str = ""
+    """otlp: the collector's address; empty: the exporter's default (OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    OTEL_EXPORTER_OTLP_ENDPOINT, else localhost:4317 for grpc, localhost:4318 for http)."""
+    protocol: str = "grpc"
+    """otlp: grpc or http (protobuf over HTTP)."""
+    directory: str = ""
+    """file: each process appends its spans to `<service_name>-<role>-<pid>.jsonl` here."""
+    service_name: str = "pdserve"
+    """Prefix of each process's `service.name`: pdserve-router, pdserve-prefill, pdserve-decode."""
+    sample_ratio: float = 1.0
+    """Fraction of requests traced (decided once at the router; the workers follow its decision)."""
+
+    def validate(self, prefix: str) -> None:
+        if not isinstance(self.enabled, bool):
+            raise ConfigError(f"{prefix}.enabled", f"must be true or false, got {self.enabled!r}")
+        one_of(f"{prefix}.exporter", self.exporter, TRACE_EXPORTERS)
+        one_of(f"{prefix}.protocol", self.protocol, tuple(OTLP_MODULES))
+        for name in ("endpoint", "directory", "service_name"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{prefix}.{name}", "must be a string")
+        if not self.service_name:
+            raise ConfigError(f"{prefix}.service_name", "must be a non-empty string")
+        if not is_number(self.sample_ratio) or not 0 <= self.sample_ratio <= 1:
+            raise ConfigError(f"{prefix}.sample_ratio", f"must be a fraction in [0, 1], got {self.sample_ratio!r}")
+        if self.enabled and self.exporter == "file" and not self.directory:
+            raise ConfigError(f"{prefix}.directory", "the file exporter needs a directory")
+        if self.enabled and self.exporter == "otlp" and not _installed(OTLP_MODULES[self.protocol]):
+            raise ConfigError(f"{prefix}.exporter", "otlp needs the optional OTLP exporter: pip install 'pdserve[otlp]'")
+
+
+@dataclass(frozen=True)
 class PdserveConfig:
     model_name: str = "smollm2-135m"
     """Name the API serves the model under (OpenAI `model` field)."""
@@ -291,6 +335,7 @@ class PdserveConfig:
     pools: PoolsConfig = field(default_factory=PoolsConfig)
     autoscaler: AutoscalerConfig = field(default_factory=AutoscalerConfig)
     security: SecurityConfig = field(default_factory=SecurityConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def with_router_ports(self, grpc_port: int | None = None, http_port: int | None = None) -> PdserveConfig:
         """This config with the router's ports overridden (CLI flags); None keeps the configured port."""
@@ -340,11 +385,12 @@ def config_from_dict(data: dict[str, Any]) -> PdserveConfig:
     pools.validate("pools")
     autoscaler = _build_autoscaler(_section(data, "autoscaler"))
     security = _build(SecurityConfig, _section(data, "security"), "security")
+    tracing = _build(TracingConfig, _section(data, "tracing"), "tracing")
     model_name = data.get("model_name", engine.model)
     if not isinstance(model_name, str) or not model_name:
         raise ConfigError("model_name", "must be a non-empty string")
     return PdserveConfig(model_name=model_name, engine=engine, kv_transfer=kv, router=router, pools=pools, autoscaler=autoscaler,
-                         security=security)
+                         security=security, tracing=tracing)
 
 
 def _build_autoscaler(data: dict) -> AutoscalerConfig:
@@ -353,6 +399,13 @@ def _build_autoscaler(data: dict) -> AutoscalerConfig:
     decode = _build(DecodeScalingConfig, _section(data, "decode", "autoscaler."), "autoscaler.decode")
     flat = {k: v for k, v in data.items() if k not in ("prefill", "decode")}
     return _build(AutoscalerConfig, {**flat, "prefill": prefill, "decode": decode}, "autoscaler")
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 def _section(data: dict, key: str, prefix: str = "") -> dict:

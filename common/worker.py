@@ -1,9 +1,10 @@
 """The process both worker packages run: `run_worker` around the parts each worker builds itself.
 
 Lifecycle: parse flags and load the YAML config once (`worker_main`), resolve the cluster
-security (a non-loopback bind without a secret is refused unless allowed), let the worker build
-its parts (`WorkerParts`: engine, KV endpoint, servicer; the prefill worker's sender or the decode
-worker's receiver signs or checks transfer headers with the cluster secret), bind the gRPC server
+security (a non-loopback bind without a secret is refused unless allowed), set up tracing
+(common/tracing.py, off by default), let the worker build its parts (`WorkerParts`: engine, KV
+endpoint, servicer; the prefill worker's sender or the decode worker's receiver signs or checks
+transfer headers with the cluster secret), bind the gRPC server
 (TLS and the secret check of common/security.py when configured), announce the ready line,
 optionally register with the router's internal port and heartbeat, serve until SIGTERM, drain
 (the servicer's `drain`), deregister, close the parts.
@@ -31,6 +32,7 @@ from common.config import PdserveConfig, load_config
 from common.registration import RegistrationLoop
 from common.security import InsecureBind, Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
+from common.tracing import setup_tracing
 from common.validation import ConfigError
 
 
@@ -84,6 +86,7 @@ async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: 
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
     hosts = [args.host, *([config.kv_transfer.host] if role == "decode" else [])]
     security.require_secret_for(hosts, config.security.allow_unauthenticated, f"{role} worker {worker_id}")
+    stop_tracing = setup_tracing(config.tracing, role, worker_id)
     parts = await build(config, args, worker_id, security)
     registration = None
     try:
@@ -107,3 +110,4 @@ async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: 
         if registration is not None:
             await registration.stop()
         await parts.close()
+        stop_tracing()

@@ -12,6 +12,8 @@ Life of one `Decode` call (remote prefill):
 With `local_prefill` the worker prefills the prompt itself (conditional disaggregation).
 A cancelled call (router gone, deadline) aborts the request on the engine and the receiver.
 A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
+Tracing: the call is the span `decode` (under the router's `generate`, from the call's metadata); the
+wait for the KV, from the admission to its verification, is its child `kv.receive` (docs/observability.md).
 """
 
 from __future__ import annotations
@@ -23,9 +25,14 @@ import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from opentelemetry.trace import Span, SpanKind
 
 from common.serving import CallGate
+<<<<<<< HEAD
 from decode_worker.ranks import FollowerReceivers
+=======
+from common.tracing import annotate, context_of, fail, server_span, span
+>>>>>>> otel
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sampler import Sample
@@ -66,20 +73,24 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         request_id = request.request_id or uuid.uuid4().hex
-        params = await sampling_or_abort(request.sampling, context)
-        await self.gate.enter(context)
-        try:
-            if request.local_prefill:
-                outputs = self.engine.generate(request_id, list(request.token_ids), params)
-                async for response in self._stream(request_id, outputs, time.monotonic(), context):
+        with server_span("decode", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids),
+                         local_prefill=request.local_prefill) as call_span:
+            params = await sampling_or_abort(request.sampling, context)
+            await self.gate.enter(context)
+            try:
+                if request.local_prefill:
+                    responses = self._stream(request_id, self.engine.generate(request_id, list(request.token_ids), params),
+                                             time.monotonic(), context)
+                else:
+                    responses = self._remote(request_id, request, params, context, call_span)
+                async for response in responses:
+                    if response.HasField("finished"):
+                        _record_finish(call_span, response.finished)
                     yield response
-                return
-            async for response in self._remote(request_id, request, params, context):
-                yield response
-        finally:
-            self.gate.leave()
+            finally:
+                self.gate.leave()
 
-    async def _remote(self, request_id, request, params, context) -> AsyncIterator[pb.DecodeResponse]:
+    async def _remote(self, request_id, request, params, context, call_span: Span) -> AsyncIterator[pb.DecodeResponse]:
         started = time.monotonic()
         prompt = list(request.token_ids)
         try:
@@ -105,7 +116,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             )
             reached(self.fault_point, "decode.before_transfer", request_id)
             try:
-                received = await asyncio.shield(expected)  # a cancelled call must not cancel the transfer itself
+                with span("kv.receive", context_of(call_span), SpanKind.CONSUMER, transfer_id=transfer_id, transport=endpoint.transport,
+                          kv_blocks=len(blocks)) as kv_span:
+                    received = await asyncio.shield(expected)  # a cancelled call must not cancel the transfer itself
+                    annotate(kv_span, kv_bytes=received.nbytes, kv_wait_s=received.wait_s, kv_transfer_s=received.transfer_s)
             except KVTransferError as exc:
                 log.warning("request %s: KV transfer failed: %s", request_id, exc)
                 yield _finished(request_id, pb.FINISH_REASON_ERROR, _kv_error(exc))
@@ -200,6 +214,12 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()
+
+
+def _record_finish(call_span: Span, finished: pb.DecodeFinished) -> None:
+    annotate(call_span, completion_tokens=finished.usage.completion_tokens, finish_reason=pb.FinishReason.Name(finished.finish_reason))
+    if finished.HasField("error"):
+        fail(call_span, finished.error.message)
 
 
 def _finished(request_id: str, reason: int, error: pb.Error | None = None) -> pb.DecodeResponse:

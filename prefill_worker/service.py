@@ -14,6 +14,8 @@ Life of one `Prefill` call:
      close the transfers and every decode rank's acknowledgement comes back (the followers' too);
   4. the request's blocks are released (they stay in the prefix cache) and the first token returned.
 Any failure aborts the transfer (the receiver frees its blocks) and fails the call.
+Tracing: the call is the span `prefill` (under the router's `prefill`, from the call's metadata) and
+the transfer, from begin to D's acknowledgement, its child `kv.send` (docs/observability.md).
 A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
 """
 
@@ -25,8 +27,14 @@ import time
 import uuid
 
 import grpc
+<<<<<<< HEAD
+=======
+import torch
+from opentelemetry.trace import Span, SpanKind
+>>>>>>> otel
 
 from common.serving import CallGate
+from common.tracing import annotate, context_of, fail, server_span, start_span
 from engine.async_engine import AsyncEngine
 from engine.engine import RequestOutput
 from engine.errors import InvalidRequestError
@@ -62,25 +70,42 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         request_id = request.request_id or uuid.uuid4().hex
+        with server_span("prefill", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids)) as call_span:
+            response = await self._prefill(request_id, request, context, call_span)
+            annotate(call_span, cached_prompt_tokens=response.cached_prompt_tokens, kv_bytes=response.kv_bytes_sent)
+            return response
+
+    async def _prefill(self, request_id: str, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
+                       call_span: Span) -> pb.PrefillResponse:
         params = await sampling_or_abort(request.sampling, context)
         dest = request.kv_destination if request.HasField("kv_destination") else None
         if dest is not None and dest.model_fingerprint and dest.model_fingerprint != self.fingerprint:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "kv_destination.model_fingerprint: decode worker runs a different model or KV layout")
         await self.gate.enter(context)
         received = time.monotonic()
-        transfer = None
+        transfer = kv_span = None
         try:
             timeout = request.kv_ack_timeout_s or self.ack_timeout_s
             if dest is not None:
+<<<<<<< HEAD
                 transfer = await self._begin(request_id, dest, len(request.token_ids), timeout, context)
+=======
+                transfer, kv_span = self._begin_transfer(request_id, request, dest, call_span)
+>>>>>>> otel
             first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
             computed = time.monotonic()
+            call_span.add_event("first token sampled")
             if transfer is not None:
                 await self._finish_transfer(request_id, transfer, first_out)
+<<<<<<< HEAD
                 # every rank's trailers go out before any ack is awaited: a decode rank acknowledges its
                 # pieces together, so rank 0's ack may wait for a follower's trailer
                 sent = sum(await asyncio.gather(transfer.wait(timeout), self.followers.finish(request_id)))
                 self.kv_bytes_sent += sent
+=======
+                ack = await transfer.wait(timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
+                annotate(kv_span, kv_bytes=ack.nbytes, kv_layers=ack.num_layers)
+>>>>>>> otel
                 reached(self.fault_point, "prefill.after_transfer", request_id)
             done = time.monotonic()
             return pb.PrefillResponse(
@@ -93,6 +118,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             )
         except KVTransferError as exc:
             log.warning("request %s: KV transfer failed: %s", request_id, exc)
+            if kv_span is not None:
+                fail(kv_span, exc)
             await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed ({exc.code.name}): {exc}")
         finally:
             self.gate.leave()
@@ -100,6 +127,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 self.streamer.forget(request_id)
             if transfer is not None and not transfer.done:
                 transfer.abort("prefill failed or was cancelled")
+<<<<<<< HEAD
             if transfer is not None:
                 self.followers.abort(request_id, "prefill failed or was cancelled")
             await self.engine.release(request_id)
@@ -118,6 +146,24 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if self.streamer is not None:
             self.streamer.track(request_id, transfer)
         return transfer
+=======
+            if kv_span is not None:
+                kv_span.end()
+            await self.engine.release(request_id)
+
+    def _begin_transfer(self, request_id: str, request: pb.PrefillRequest, dest: pb.KVDestination,
+                        call_span: Span) -> tuple[OutgoingTransfer, Span]:
+        """Open the transfer into D's blocks (the streamer, if any, sends each layer on it) and its `kv.send` span."""
+        endpoint = KVEndpoint(dest.endpoint.host, dest.endpoint.port, dest.endpoint.transport)
+        header = TransferHeader.for_layout(dest.transfer_id, self.engine.layout, len(request.token_ids), self.fingerprint)
+        reached(self.fault_point, "prefill.before_transfer", request_id)
+        transfer = self.sender.begin(endpoint, header, ack_timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
+        kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
+                             transport=endpoint.transport, destination=f"{endpoint.host}:{endpoint.port}")
+        if self.streamer is not None:
+            self.streamer.track(request_id, transfer)
+        return transfer, kv_span
+>>>>>>> otel
 
     async def _run_prefill(self, request_id, prompt, params, context):
         try:

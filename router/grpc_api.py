@@ -4,7 +4,8 @@ Life of one call: the request arrives in wire form (`GenerateBytes`: a body that
 INVALID_ARGUMENT); the API key is checked (UNAUTHENTICATED); the proto becomes a `RouterRequest`
 (`request_from_proto`); `RouterService.stream` runs it, and its refusals map to status codes
 (InvalidRequestError -> INVALID_ARGUMENT, Overloaded -> RESOURCE_EXHAUSTED, Unavailable ->
-UNAVAILABLE, a bug -> INTERNAL). The client's deadline travels as `timeout_s`.
+UNAVAILABLE, a bug -> INTERNAL). The client's deadline travels as `timeout_s`, its W3C trace context
+(`traceparent` metadata), if any, as the parent of the request's spans.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.tracing import incoming_context
 from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -37,7 +39,8 @@ class RouterApi(pb_grpc.RouterServicer):
         if not self.service.settings.authorized(metadata.get("authorization")):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, "authorization: missing or invalid API key (metadata 'authorization: Bearer KEY')")
         try:
-            async for response in self.service.stream(request_from_proto(request), timeout_s=context.time_remaining()):
+            async for response in self.service.stream(request_from_proto(request), timeout_s=context.time_remaining(),
+                                                      trace_parent=incoming_context(context)):
                 yield response
         except (InvalidRequestError, Overloaded, Unavailable) as exc:
             await context.abort(next(code for kind, code in _STATUS if isinstance(exc, kind)), str(exc))

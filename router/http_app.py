@@ -11,7 +11,9 @@ from router.service import RouterService
 
 
 def build_app(service: RouterService) -> FastAPI:
-    app = FastAPI(title="pdserve router", version="0.1.0")
+    # FastAPI's own OpenTelemetry spans (with tracing on): one per HTTP request, the parent of its
+    # `generate` span; none for health checks and Prometheus scrapes, no per-operation spans
+    app = FastAPI(title="pdserve router", version="0.1.0", telemetry={"operation_spans": False, "exclude": _untraced})
     metrics, pool = service.metrics, service.pool
 
     @app.get("/health")
@@ -33,3 +35,7 @@ def build_app(service: RouterService) -> FastAPI:
 
     mount(app, service)
     return app
+
+
+def _untraced(scope) -> bool:
+    return scope.get("path") in ("/health", "/metrics")

@@ -1,6 +1,6 @@
 """`python -m router`: the router process (gRPC Router, internal gRPC Registry, HTTP health/metrics/OpenAI).
 
-Lifecycle: load config; load the tokenizer only (no model weights); bind two gRPC planes and HTTP
+Lifecycle: load config; set up tracing (common/tracing.py, off by default); load the tokenizer only (no model weights); bind two gRPC planes and HTTP
 (TLS when `security.tls_cert_file` is set): the public port serves Router/Generate (API keys),
 health and reflection only; the internal port (`router.internal_host`/`internal_port`) serves the
 workers' Registry, whose calls must carry the cluster secret when one is set (without one, the
@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 from common.config import PdserveConfig, load_config
 from common.security import InsecureBind, Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving, wait_idle
+from common.tracing import setup_tracing
 from engine.model_loader import resolve_model_path
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.grpc_api import add_router_to_server
@@ -106,6 +107,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     """Run the router until SIGTERM (or, embedded in a Ray actor, until `control.stop` is set)."""
     rc = config.router
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
+    stop_tracing = setup_tracing(config.tracing, "router")
     tokenizer, max_len = load_tokenizer_and_context(config)
     metrics = RouterMetrics()
     pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s, security=security,
@@ -153,3 +155,4 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
         await http_task
         await planes.internal.stop(grace=1.0)
         await pool.close()
+        stop_tracing()

@@ -19,8 +19,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from opentelemetry.context import Context
+from opentelemetry.trace import SpanKind
 
 from common.config import RouterConfig
+from common.tracing import annotate, context_of, outgoing_metadata, span
 from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded
@@ -77,10 +80,11 @@ class Orchestrator:
         self.relay = DecodeRelay(self.config.stall_timeout_s, metrics)
 
     async def run(self, request_id: str, request: Validated, skip_detokenize: bool, arrived: float,
-                  deadline: float) -> AsyncIterator[pb.GenerateResponse]:
+                  deadline: float, trace: Context | None = None) -> AsyncIterator[pb.GenerateResponse]:
+        """`trace`: the request's root span as parent (tracing); None: the attempts' spans start new traces."""
         detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop,
                                                                     min_tokens=request.params.min_tokens)
-        state = Progress(request_id, request.prompt_ids, request.params, arrived, deadline, detok)
+        state = Progress(request_id, request.prompt_ids, request.params, arrived, deadline, detok, trace=trace or Context())
         budget = RetryBudget(self.config.prefill_retries, self.config.max_migrations)
         failed_prefill: set[str] = set()
         while True:
@@ -149,18 +153,19 @@ class Orchestrator:
         decoder = self.pool.pick("decode", prompt_ids)
         local = self._prefill_locally(prompt_ids)
         request.local_prefill = local
-        call = DecodeStream(decoder.stub.Decode(request, timeout=state.remaining()))
-        try:
-            # with local prefill the first message is the first token: allow the whole deadline
-            wait = state.remaining() if local else min(self.settings.rpc_timeout_s, state.remaining())
-            first = await asyncio.wait_for(call.read(), timeout=wait)
-        except (TimeoutError, grpc.aio.AioRpcError) as exc:
-            call.cancel()
-            if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
-                self.pool.mark_failed(decoder)
-            raise
-        if first is None:
-            raise NoWorkerAvailable("decode")
+        with span("decode.admit", state.trace, SpanKind.CLIENT, worker_id=decoder.worker_id, attempt=state.attempts, local_prefill=local):
+            call = DecodeStream(decoder.stub.Decode(request, timeout=state.remaining(), metadata=outgoing_metadata(state.trace)))
+            try:
+                # with local prefill the first message is the first token: allow the whole deadline
+                wait = state.remaining() if local else min(self.settings.rpc_timeout_s, state.remaining())
+                first = await asyncio.wait_for(call.read(), timeout=wait)
+            except (TimeoutError, grpc.aio.AioRpcError) as exc:
+                call.cancel()
+                if isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.UNAVAILABLE:
+                    self.pool.mark_failed(decoder)
+                raise
+            if first is None:
+                raise NoWorkerAvailable("decode")
         if local or first.WhichOneof("event") != "admission":
             call.push_back(first)
             return Attempt(decoder, call, None)
@@ -175,25 +180,27 @@ class Orchestrator:
         exclude = failed_prefill if self.pool.candidates("prefill", failed_prefill) else set()
         prefiller = self.pool.pick("prefill", prompt_ids, exclude=exclude)
         prefiller.in_flight += 1
-        try:
-            response = await prefiller.stub.Prefill(
-                pb.PrefillRequest(request_id=request.request_id, token_ids=request.token_ids, sampling=request.sampling,
-                                  kv_destination=admission.kv_destination),
-                timeout=state.remaining(),
-            )
-        except asyncio.CancelledError:
-            call.cancel()  # client gone while waiting for prefill: release D's reservation now
-            raise
-        except grpc.aio.AioRpcError as exc:
-            call.cancel()
-            if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+        with span("prefill", state.trace, SpanKind.CLIENT, worker_id=prefiller.worker_id, attempt=state.attempts) as current:
+            try:
+                response = await prefiller.stub.Prefill(
+                    pb.PrefillRequest(request_id=request.request_id, token_ids=request.token_ids, sampling=request.sampling,
+                                      kv_destination=admission.kv_destination),
+                    timeout=state.remaining(), metadata=outgoing_metadata(context_of(current)),
+                )
+            except asyncio.CancelledError:
+                call.cancel()  # client gone while waiting for prefill: release D's reservation now
                 raise
-            failed_prefill.add(prefiller.worker_id)
-            if exc.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer" not in (exc.details() or ""):
-                self.pool.mark_failed(prefiller)
-            raise PrefillFailed(f"{prefiller.worker_id}: {exc.code().name} {exc.details()}") from None
-        finally:
-            prefiller.in_flight -= 1
+            except grpc.aio.AioRpcError as exc:
+                call.cancel()
+                if exc.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    raise
+                failed_prefill.add(prefiller.worker_id)
+                if exc.code() == grpc.StatusCode.UNAVAILABLE and "kv transfer" not in (exc.details() or ""):
+                    self.pool.mark_failed(prefiller)
+                raise PrefillFailed(f"{prefiller.worker_id}: {exc.code().name} {exc.details()}") from None
+            finally:
+                prefiller.in_flight -= 1
+            annotate(current, kv_bytes=response.kv_bytes_sent, cached_prompt_tokens=response.cached_prompt_tokens)
         pt = response.timings
         state.timings.prefill_queue_s = pt.prefill_queue_s
         state.timings.prefill_compute_s = pt.prefill_compute_s

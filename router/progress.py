@@ -11,6 +11,8 @@ import dataclasses
 import time
 from dataclasses import dataclass, field
 
+from opentelemetry.context import Context
+
 from engine.sampling import SamplingParams
 from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -31,6 +33,8 @@ class Progress:
     last_token_at: float | None = None
     cached_prompt_tokens: int = 0
     attempts: int = 0
+    trace: Context = field(default_factory=Context)
+    """The request's `generate` span as parent: each attempt's spans and worker calls hang under it."""
 
     def remaining(self) -> float:
         """Seconds left before the client's deadline (what every worker call may take)."""

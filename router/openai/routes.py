@@ -26,6 +26,7 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from common.tracing import http_context
 from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded, Unavailable
@@ -105,7 +106,7 @@ class OpenAIRoutes:
         except OpenAIError:
             self.service.metrics.requests.labels(outcome="invalid").inc()
             raise
-        stream = self.service.stream(prep.request)
+        stream = self.service.stream(prep.request, trace_parent=http_context(request.headers))
         try:
             first = await unless_disconnected(request, _next(stream))
         except ClientGone:

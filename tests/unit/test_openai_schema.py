@@ -142,7 +142,7 @@ class FakeService:
         self.script = script
         self.seen: list[RouterRequest] = []
 
-    async def stream(self, request):
+    async def stream(self, request, timeout_s=None, trace_parent=None):
         self.seen.append(request)
         for item in self.script:
             if isinstance(item, Exception):
