@@ -19,6 +19,7 @@ wait for the KV, from the admission to its verification, is its child `kv.receiv
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 import uuid
@@ -28,11 +29,8 @@ import grpc
 from opentelemetry.trace import Span, SpanKind
 
 from common.serving import CallGate
-<<<<<<< HEAD
-from decode_worker.ranks import FollowerReceivers
-=======
 from common.tracing import annotate, context_of, fail, server_span, span
->>>>>>> otel
+from decode_worker.ranks import FollowerReceivers
 from engine.async_engine import AsyncEngine
 from engine.errors import InvalidRequestError
 from engine.sampler import Sample
@@ -64,6 +62,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.receiver = receiver
         self.followers = followers or FollowerReceivers(None)
         self.rank_endpoints = [receiver.endpoint, *(follower_endpoints or [])]
+        self.kv_bytes_received = 0
+        """KV bytes every rank received in complete transfers."""
         self.fingerprint = fingerprint
         self.worker_id = worker_id
         self.kv_timeout_s = kv_timeout_s
@@ -116,9 +116,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             )
             reached(self.fault_point, "decode.before_transfer", request_id)
             try:
-                with span("kv.receive", context_of(call_span), SpanKind.CONSUMER, transfer_id=transfer_id, transport=endpoint.transport,
+                with span("kv.receive", context_of(call_span), SpanKind.CONSUMER, transfer_id=transfer_id, transport=self.receiver.endpoint.transport,
                           kv_blocks=len(blocks)) as kv_span:
                     received = await asyncio.shield(expected)  # a cancelled call must not cancel the transfer itself
+                    self.kv_bytes_received += received.nbytes
                     annotate(kv_span, kv_bytes=received.nbytes, kv_wait_s=received.wait_s, kv_transfer_s=received.transfer_s)
             except KVTransferError as exc:
                 log.warning("request %s: KV transfer failed: %s", request_id, exc)
@@ -152,8 +153,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 self.followers.cancel(transfer_id, "rank 0's pieces failed")
                 await asyncio.wait([theirs])
                 raise
-            await asyncio.shield(theirs)  # a follower's failure fails the request
-            return received
+            followers_bytes = await asyncio.shield(theirs)  # a follower's failure fails the request
+            return dataclasses.replace(received, nbytes=received.nbytes + followers_bytes)
 
         return asyncio.ensure_future(every_rank())
 
@@ -209,7 +210,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining,
-                                  kv_bytes_received=self.receiver.stats.bytes_received)
+                                  kv_bytes_received=self.kv_bytes_received)
 
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:

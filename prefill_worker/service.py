@@ -27,11 +27,7 @@ import time
 import uuid
 
 import grpc
-<<<<<<< HEAD
-=======
-import torch
 from opentelemetry.trace import Span, SpanKind
->>>>>>> otel
 
 from common.serving import CallGate
 from common.tracing import annotate, context_of, fail, server_span, start_span
@@ -87,25 +83,20 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         try:
             timeout = request.kv_ack_timeout_s or self.ack_timeout_s
             if dest is not None:
-<<<<<<< HEAD
                 transfer = await self._begin(request_id, dest, len(request.token_ids), timeout, context)
-=======
-                transfer, kv_span = self._begin_transfer(request_id, request, dest, call_span)
->>>>>>> otel
+                kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
+                                     transport=dest.endpoint.transport, destination=f"{dest.endpoint.host}:{dest.endpoint.port}",
+                                     decode_ranks=len(dest.rank_endpoints) or 1)
             first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
             computed = time.monotonic()
             call_span.add_event("first token sampled")
             if transfer is not None:
                 await self._finish_transfer(request_id, transfer, first_out)
-<<<<<<< HEAD
                 # every rank's trailers go out before any ack is awaited: a decode rank acknowledges its
                 # pieces together, so rank 0's ack may wait for a follower's trailer
                 sent = sum(await asyncio.gather(transfer.wait(timeout), self.followers.finish(request_id)))
                 self.kv_bytes_sent += sent
-=======
-                ack = await transfer.wait(timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
-                annotate(kv_span, kv_bytes=ack.nbytes, kv_layers=ack.num_layers)
->>>>>>> otel
+                annotate(kv_span, kv_bytes=sent, kv_layers=self.engine.global_layout.num_layers)
                 reached(self.fault_point, "prefill.after_transfer", request_id)
             done = time.monotonic()
             return pb.PrefillResponse(
@@ -127,9 +118,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 self.streamer.forget(request_id)
             if transfer is not None and not transfer.done:
                 transfer.abort("prefill failed or was cancelled")
-<<<<<<< HEAD
             if transfer is not None:
                 self.followers.abort(request_id, "prefill failed or was cancelled")
+            if kv_span is not None:
+                kv_span.end()
             await self.engine.release(request_id)
 
     async def _begin(self, request_id: str, dest: pb.KVDestination, num_tokens: int, timeout: float, context) -> PieceSend:
@@ -146,24 +138,6 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if self.streamer is not None:
             self.streamer.track(request_id, transfer)
         return transfer
-=======
-            if kv_span is not None:
-                kv_span.end()
-            await self.engine.release(request_id)
-
-    def _begin_transfer(self, request_id: str, request: pb.PrefillRequest, dest: pb.KVDestination,
-                        call_span: Span) -> tuple[OutgoingTransfer, Span]:
-        """Open the transfer into D's blocks (the streamer, if any, sends each layer on it) and its `kv.send` span."""
-        endpoint = KVEndpoint(dest.endpoint.host, dest.endpoint.port, dest.endpoint.transport)
-        header = TransferHeader.for_layout(dest.transfer_id, self.engine.layout, len(request.token_ids), self.fingerprint)
-        reached(self.fault_point, "prefill.before_transfer", request_id)
-        transfer = self.sender.begin(endpoint, header, ack_timeout=request.kv_ack_timeout_s or self.ack_timeout_s)
-        kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
-                             transport=endpoint.transport, destination=f"{endpoint.host}:{endpoint.port}")
-        if self.streamer is not None:
-            self.streamer.track(request_id, transfer)
-        return transfer, kv_span
->>>>>>> otel
 
     async def _run_prefill(self, request_id, prompt, params, context):
         try:
