@@ -111,3 +111,11 @@ async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: 
             await registration.stop()
         await parts.close()
         stop_tracing()
+
+
+def lose_worker(error: Exception) -> None:
+    """The worker cannot serve any more (its engine lost a tensor-parallel rank): exit at once, as a
+    crash would, so the router migrates its requests and the controller replaces it as a whole."""
+    logging.getLogger(__name__).critical("worker lost: %s; exiting", error)
+    logging.shutdown()
+    os._exit(70)

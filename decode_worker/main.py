@@ -14,7 +14,7 @@ import argparse
 from common.config import PdserveConfig
 from common.security import Security
 from common.serving import ServerControl
-from common.worker import WorkerParts, run_worker, worker_main
+from common.worker import WorkerParts, lose_worker, run_worker, worker_main
 from decode_worker.ranks import AGENT, FollowerReceivers, RankSettings
 from decode_worker.service import DecodeService
 from engine import Engine
@@ -30,7 +30,7 @@ ROLE = "decode"
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
     kv = config.kv_transfer
-    engine = AsyncEngine(Engine(config.engine_for(ROLE), rank_agent=(AGENT, RankSettings(kv, security.kv_secret))))
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), rank_agent=(AGENT, RankSettings(kv, security.kv_secret))), on_fatal=lose_worker)
     engine.start()
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     heads = head_range(engine.global_layout.num_kv_heads, engine.tensor_parallel_size, 0)

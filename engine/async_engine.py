@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from engine.engine import Engine, EngineStats, RequestOutput
-from engine.errors import EngineError
+from engine.errors import EngineError, RankLost
 from engine.kv_cache import KVCache, KVLayout
 from engine.parallel import TensorParallelGroup
 from engine.sampler import Sample
@@ -36,8 +36,13 @@ log = logging.getLogger(__name__)
 
 
 class AsyncEngine:
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, on_fatal: Callable[[Exception], None] | None = None):
+        """on_fatal: called when the engine can never step again (a tensor-parallel rank exited), after
+        every request in it has failed; a worker gives itself up there (common.worker.lose_worker)."""
         self._engine = engine
+        self._on_fatal = on_fatal
+        if engine.parallel is not None:
+            engine.parallel.on_lost = lambda error: self._submit(lambda: self._fatal(error))
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
@@ -197,6 +202,9 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self._engine.step()
+            except RankLost as exc:
+                self._fatal(exc)
+                continue
             except Exception as exc:  # a broken step fails the requests in it, not the process
                 log.exception("engine step failed")
                 self._fail_all(exc)
@@ -227,6 +235,11 @@ class AsyncEngine:
         if target is not None:
             loop, stream = target
             loop.call_soon_threadsafe(stream.put_nowait, item)
+
+    def _fatal(self, exc: Exception) -> None:
+        self._fail_all(exc)
+        if self._on_fatal is not None:
+            self._on_fatal(exc)
 
     def _fail_all(self, exc: Exception) -> None:
         for request_id in list(self._streams):

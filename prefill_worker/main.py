@@ -15,7 +15,7 @@ import asyncio
 from common.config import PdserveConfig
 from common.security import Security
 from common.serving import ServerControl
-from common.worker import WorkerParts, run_worker, worker_main
+from common.worker import WorkerParts, lose_worker, run_worker, worker_main
 from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import FaultInjector, fingerprint
@@ -33,7 +33,7 @@ async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str,
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
     streamer = LayerStreamer(fault_point) if kv.layerwise else None
     ranks = (AGENT, RankSettings(kv, security.kv_secret))
-    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks))
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks), on_fatal=lose_worker)
     engine.start()
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     sender = make_sender(kv, security.kv_secret, FaultInjector.configured(kv.faults))

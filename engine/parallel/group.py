@@ -95,6 +95,10 @@ class TensorParallelGroup:
         self._asks: dict[Hashable, _Ask] = {}
         self._asks_lock = threading.Lock()
         self._lost: set[int] = set()
+        self._closing = False
+        self.on_lost: Callable[[RankLost], None] | None = None
+        """Called (from a reader thread) the moment a follower's channel closes while the group runs:
+        the engine can never step again, so its owner should give the worker up."""
         for rank, channel in enumerate(channels, start=1):
             threading.Thread(target=self._read, args=(rank, channel), name=f"pdserve-tp-replies{rank}", daemon=True).start()
 
@@ -181,12 +185,17 @@ class TensorParallelGroup:
                 ask.loop.call_soon_threadsafe(_resolve, ask.future, ask.values)
 
     def _on_lost(self, rank: int) -> None:
+        if self._closing:
+            return
         self._lost.add(rank)
         error = RankLost(f"rank {rank} of the tensor-parallel group exited")
+        log.error("%s", error)
         with self._asks_lock:
             pending = list(self._asks.values())
         for ask in pending:
             ask.loop.call_soon_threadsafe(_resolve, ask.future, error)
+        if self.on_lost is not None:
+            self.on_lost(error)
 
     def _send(self, rank: int, message: Any) -> None:
         with self._send_lock:
@@ -206,6 +215,7 @@ class TensorParallelGroup:
         return sorted(self._lost | {rank for rank, p in enumerate(self._processes, start=1) if not p.is_alive()})
 
     def close(self, timeout: float = 30.0) -> None:
+        self._closing = True
         try:
             self._send_all(STOP)
         except OSError:

@@ -6,13 +6,17 @@ once; no block leaked on any worker."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
+import grpc
+import psutil
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from engine.testing.tiny_models import build_tiny_model
 from proto.pdserve.v1 import pdserve_pb2 as pb
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.cluster import LocalCluster, write_config
 from tests.conftest import hf_generate
 from tests.integration.test_disaggregated import generate
@@ -65,3 +69,56 @@ def test_demo_model_prefill_tp3_to_decode_tp1_matches_hf(tmp_path, demo_model, d
     got, sent = run_cluster(tmp_path, "smollm2-135m", 3, 1, prompts)
     assert got == [hf_greedy(tuple(p), MAX_NEW) for p in prompts]
     assert sent == kv_bytes(demo_model.model, prompts)
+
+
+def test_losing_one_rank_of_a_decode_worker_migrates_its_requests(tmp_path, tiny):
+    """SIGKILL a follower rank of the decode worker serving a request mid-stream: that worker gives
+    itself up at once (exit 70), the router moves the request to the other decode worker, which
+    finishes it == HF; no block leaked on the workers left."""
+    path, reference = tiny
+    config = write_config(tmp_path / "tp.yaml", transport="ucx", engine={"model": path},
+                          pools={"decode": {"tensor_parallel_size": 2}})
+    hook = {"PDSERVE_TEST_FAULT_POINT": "decode.after_tokens:6:rankloss-*.0"}  # stalls D's gRPC loop, not its engine
+    with LocalCluster(config, num_prefill=1, num_decode=2, process_env={"decode0": hook, "decode1": hook}) as cluster:
+        prompt = PROMPTS[1]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(generate_with_id, cluster.router.address, "rankloss-1", prompt, 40)
+            stalled = wait_for_stall(cluster.decode)
+            follower = follower_rank(stalled)
+            follower.kill()
+            assert stalled.popen.wait(30) == 70, "the worker must give itself up when a rank dies"
+            tokens, last = pending.result(timeout=120)
+        assert last.finish_reason == pb.FINISH_REASON_LENGTH, last
+        assert tokens == hf_generate(reference, prompt, 40)
+        survivor = next(d for d in cluster.decode if d is not stalled)
+        assert cluster.worker_stats(survivor).running_requests == 0
+        cluster.assert_no_leaked_blocks()
+
+
+def generate_with_id(address: str, request_id: str, prompt: list[int], max_tokens: int):
+    with grpc.insecure_channel(address) as channel:
+        request = pb.GenerateRequest(request_id=request_id, token_ids=pb.TokenIds(ids=prompt),
+                                     sampling=pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
+        tokens, last = [], None
+        for response in pb_grpc.RouterStub(channel).Generate(request, timeout=120):
+            tokens.extend(response.chunk.token_ids)
+            last = response
+    return tokens, last
+
+
+def wait_for_stall(workers, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for worker in workers:
+            if any("test hook: pausing at decode.after_tokens" in line for line in worker.log_lines):
+                return worker
+        time.sleep(0.1)
+    raise AssertionError("no decode worker reached the hook")
+
+
+def follower_rank(worker) -> psutil.Process:
+    """The decode worker's rank-1 process (a spawned child; not the resource tracker)."""
+    children = psutil.Process(worker.popen.pid).children(recursive=True)
+    ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
+    assert len(ranks) == 1, [c.cmdline() for c in children]
+    return ranks[0]
