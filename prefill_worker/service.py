@@ -37,7 +37,7 @@ from engine.errors import InvalidRequestError
 from kvtransfer import KVEndpoint, KVSender, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from kvtransfer.pieces import Destination, PieceSend
-from kvtransfer.sharding import IncompatibleLayouts
+from kvtransfer.sharding import IncompatibleLayouts, check_compatible
 from prefill_worker.ranks import FollowerSends
 from prefill_worker.streamer import LayerStreamer
 from proto.convert import chunk_from_output, sampling_or_abort, worker_stats
@@ -75,15 +75,17 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                        call_span: Span) -> pb.PrefillResponse:
         params = await sampling_or_abort(request.sampling, context)
         dest = request.kv_destination if request.HasField("kv_destination") else None
-        if dest is not None and dest.model_fingerprint and dest.model_fingerprint != self.fingerprint:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, "kv_destination.model_fingerprint: decode worker runs a different model or KV layout")
+        refusal = dest is not None and layout_refusal(dest, self.fingerprint, self.engine.tensor_parallel_size,
+                                                      self.engine.global_layout.num_kv_heads)
+        if refusal:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         await self.gate.enter(context)
         received = time.monotonic()
         transfer = kv_span = None
         try:
             timeout = request.kv_ack_timeout_s or self.ack_timeout_s
             if dest is not None:
-                transfer = await self._begin(request_id, dest, len(request.token_ids), timeout, context)
+                transfer = self._begin(request_id, dest, len(request.token_ids), timeout)
                 kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
                                      transport=dest.endpoint.transport, destination=f"{dest.endpoint.host}:{dest.endpoint.port}",
                                      decode_ranks=len(dest.rank_endpoints) or 1)
@@ -124,16 +126,13 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 kv_span.end()
             await self.engine.release(request_id)
 
-    async def _begin(self, request_id: str, dest: pb.KVDestination, num_tokens: int, timeout: float, context) -> PieceSend:
+    def _begin(self, request_id: str, dest: pb.KVDestination, num_tokens: int, timeout: float) -> PieceSend:
         """Open this worker's pieces of the prompt's KV (rank 0's here, the followers' on their ranks)."""
         layout = self.engine.global_layout
         endpoints = [KVEndpoint(e.host, e.port, e.transport) for e in dest.rank_endpoints or [dest.endpoint]]
         destination = Destination(dest.transfer_id, self.fingerprint, endpoints, dest.num_kv_heads or layout.num_kv_heads)
         reached(self.fault_point, "prefill.before_transfer", request_id)
-        try:
-            transfer = PieceSend(self.sender, destination, layout, num_tokens, 0, self.engine.tensor_parallel_size, timeout)
-        except IncompatibleLayouts as exc:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"kv_destination: {exc}")
+        transfer = PieceSend(self.sender, destination, layout, num_tokens, 0, self.engine.tensor_parallel_size, timeout)
         self.followers.begin(request_id, destination, num_tokens)
         if self.streamer is not None:
             self.streamer.track(request_id, transfer)
@@ -161,6 +160,21 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()
+
+
+def layout_refusal(dest: pb.KVDestination, fingerprint: str, tp: int, num_kv_heads: int) -> str | None:
+    """Why this worker (TP = tp over num_kv_heads KV heads) cannot fill `dest`, naming both sides, or
+    None: checked before any byte moves, so a mismatch fails at once instead of hanging a transfer."""
+    theirs = (len(dest.rank_endpoints) or 1, dest.num_kv_heads or num_kv_heads)
+    sides = (f"decode worker TP={theirs[0]} with {theirs[1]} KV heads, "
+             f"this prefill worker TP={tp} with {num_kv_heads} KV heads")
+    if dest.model_fingerprint and dest.model_fingerprint != fingerprint:
+        return f"kv_destination.model_fingerprint: the decode worker runs a different model or KV layout ({sides})"
+    try:
+        check_compatible((tp, num_kv_heads), theirs)
+    except IncompatibleLayouts as exc:
+        return f"kv_destination: {exc}"
+    return None
 
 
 def _first_token(token_id: int, out) -> pb.FirstToken:

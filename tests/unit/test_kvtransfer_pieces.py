@@ -158,3 +158,17 @@ async def test_a_prefill_worker_refuses_a_decode_layout_it_cannot_fill_before_se
         assert sender.stats.bytes_sent == 0
     finally:
         await asyncio.to_thread(sender.close)
+
+
+def test_the_prefill_worker_refuses_a_destination_up_front_naming_both_sides():
+    from prefill_worker.service import layout_refusal
+    from proto.pdserve.v1 import pdserve_pb2 as pb
+
+    two_ranks = [pb.KVEndpoint(host="127.0.0.1", port=p, transport="ucx") for p in (1, 2)]
+    other_model = pb.KVDestination(transfer_id="t", model_fingerprint="f" * 32, rank_endpoints=two_ranks, num_kv_heads=8)
+    refusal = layout_refusal(other_model, FP, 1, HEADS)
+    assert refusal.startswith("kv_destination.model_fingerprint:")
+    assert "decode worker TP=2 with 8 KV heads, this prefill worker TP=1 with 4 KV heads" in refusal
+    same_model = pb.KVDestination(transfer_id="t", model_fingerprint=FP, rank_endpoints=two_ranks, num_kv_heads=HEADS)
+    assert layout_refusal(same_model, FP, 4, HEADS) is None  # P TP=4 -> D TP=2: every head has an owner
+    assert layout_refusal(pb.KVDestination(transfer_id="t", model_fingerprint=FP), FP, 2, HEADS) is None  # one-rank D, no TP fields
