@@ -29,7 +29,10 @@ ucxx asyncio variants busy-wait even when idle, so they run alone afterwards. Ea
 best of --repeats rounds after one warm-up round (median reported too); GB/s = 1e9 bytes/s.
 
 `--ttft` also runs bench/experiments/kv_transfer.py for 512-token prompts: TTFT with layer-wise
-streaming on vs off through real prefill and decode workers.
+streaming on vs off through real prefill and decode workers. `--tp` measures transfers between
+tensor-parallel workers instead (bench/kvmethods/tensor_parallel.py; default out
+bench/results/kvtransfer_tp.json): prefill TP 2 -> decode TP 1, the reverse and 2 -> 2, every rank
+its own process, next to 1 -> 1 in the same run.
 """
 
 from __future__ import annotations
@@ -56,6 +59,7 @@ log = logging.getLogger("bench.kvtransfer")
 
 DEFAULT_TOKENS = (128, 512, 1024, 2048, 4096)
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "kvtransfer.json"
+TP_OUT = DEFAULT_OUT.with_name("kvtransfer_tp.json")
 __all__ = ["PROTOCOL_CONFIGS", "ProtocolConfig", "bench_memcpy", "bench_protocol", "main"]
 
 
@@ -177,6 +181,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--quick", action="store_true", help="socket, ucx_raw and the default protocol only; 3 rounds")
     parser.add_argument("--ttft", action="store_true", help="also measure TTFT with layer-wise streaming on vs off (512-token prompts, real workers)")
+    parser.add_argument("--tp", action="store_true", help="measure KV transfer between tensor-parallel workers (rank to rank) instead")
     return parser.parse_args(argv)
 
 
@@ -228,12 +233,29 @@ def build_report(results: dict[str, Any], extras: dict[str, Any], tokens: list[i
     return report
 
 
+def main_tensor_parallel(args: argparse.Namespace, tokens: list[int], repeats: int, started: float) -> int:
+    from bench.kvmethods.tensor_parallel import bench_tensor_parallel
+
+    report = {"bench": "kvtransfer_tp", "created_unix": int(started), "host": host_info(), "tokens": tokens, "rounds": repeats,
+              **bench_tensor_parallel(tokens, repeats)}
+    report["duration_s"] = round(time.time() - started, 1)
+    out = TP_OUT if args.out == DEFAULT_OUT else args.out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2) + "\n")
+    log.info("wrote %s", out)
+    for name, per_size in report["results"].items():
+        log.info("%-34s %s", name, "  ".join(f"{n}:{v['seconds_best'] * 1e3:.1f}ms(x{v['time_vs_tp1']})" for n, v in per_size.items()))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     repeats = 3 if args.quick else args.repeats
     tokens = sorted(args.tokens)
     started = time.time()
+    if args.tp:
+        return main_tensor_parallel(args, tokens, repeats, started)
     results, extras = run_methods(tokens, repeats, args.quick)
     report = build_report(results, extras, tokens, repeats, started)
     if args.ttft:
