@@ -65,6 +65,7 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router", default=None, help="the router's internal HOST:PORT (its ready line's "
                         "internal_address) to register with")
     parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
+    parser.set_defaults(rank_launcher=None)  # what starts tensor-parallel follower ranks (deploy: Ray tasks)
     return parser.parse_args(argv)
 
 

@@ -30,7 +30,8 @@ ROLE = "decode"
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
     kv = config.kv_transfer
-    engine = AsyncEngine(Engine(config.engine_for(ROLE), rank_agent=(AGENT, RankSettings(kv, security.kv_secret))), on_fatal=lose_worker)
+    ranks = (AGENT, RankSettings(kv, security.kv_secret))
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), rank_agent=ranks, rank_launcher=args.rank_launcher), on_fatal=lose_worker)
     engine.start()
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     heads = head_range(engine.global_layout.num_kv_heads, engine.tensor_parallel_size, 0)

@@ -40,6 +40,7 @@ from common.config import PdserveConfig
 from common.secrets import HandedSecret
 from common.serving import ServerControl, configure_logging, wait_idle
 from deploy.hosting import ServerThread
+from deploy.ranks import RayRanks
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -83,7 +84,7 @@ class WorkerActor:
     def start(self, router_address: str) -> dict[str, Any]:
         """Build the engine, serve, register with the router's internal port at `router_address`;
         the ready info."""
-        args = argparse.Namespace(host=self.host, port=0, kv_port=0, router=router_address)
+        args = argparse.Namespace(host=self.host, port=0, kv_port=0, router=router_address, rank_launcher=RayRanks.current())
 
         async def main(control: ServerControl) -> None:
             await self._serve(self.config, args, self.worker_id, control)

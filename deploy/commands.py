@@ -73,9 +73,10 @@ def load_or_report(args: argparse.Namespace) -> PdserveConfig | None:
 
 
 def logical_cpus(config: PdserveConfig) -> int:
-    """CPUs the embedded Ray declares: enough for the router and every pool at max_replicas."""
+    """CPUs the embedded Ray declares: enough for the router and every pool at max_replicas (a
+    tensor-parallel worker holds one bundle per rank)."""
     pools = config.pools
-    needed = config.router.num_cpus + sum(p.max_replicas * p.num_cpus for p in (pools.prefill, pools.decode))
+    needed = config.router.num_cpus + sum(p.max_replicas * p.tensor_parallel_size * p.num_cpus for p in (pools.prefill, pools.decode))
     return max(os.cpu_count() or 1, math.ceil(needed))
 
 
@@ -84,7 +85,7 @@ def custom_resources(config: PdserveConfig) -> dict[str, float]:
     total: dict[str, float] = dict(config.router.resources)
     for pool in (config.pools.prefill, config.pools.decode):
         for name, amount in pool.resources.items():
-            total[name] = total.get(name, 0.0) + pool.max_replicas * amount
+            total[name] = total.get(name, 0.0) + pool.max_replicas * pool.tensor_parallel_size * amount
     return total
 
 

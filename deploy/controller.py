@@ -183,7 +183,8 @@ class Controller:
         slot = pool.workers[worker_id] = WorkerSlot(worker_id, pool.role)
         cfg = pool.config
         try:
-            slot.pg = await self.placement.group(worker_id, self.placement.bundle(cfg.num_cpus, cfg.num_gpus, cfg.resources), cfg.placement_strategy)
+            bundle = self.placement.bundle(cfg.num_cpus, cfg.num_gpus, cfg.resources)
+            slot.pg = await self.placement.group(worker_id, bundle, cfg.placement_strategy, cfg.tensor_parallel_size)
             if self.stopping:
                 raise RuntimeError("pdserve is shutting down")
             slot.actor = RemoteWorker.options(**self.placement.actor_options(worker_id, slot.pg), max_concurrency=8).remote(

@@ -1,4 +1,5 @@
-"""Where the controller's actors run: one placement group of one bundle per actor.
+"""Where the controller's actors run: one placement group per actor (per worker: one bundle per
+tensor-parallel rank, STRICT_PACK; the actor is rank 0 in bundle 0, deploy/ranks.py places the rest).
 
 Lifecycle of a placement: `Placement.bundle` turns a pool's (or the router's) resources into a
 bundle (GPUs only when the cluster has some), `group` creates the placement group and waits until
@@ -54,8 +55,9 @@ class Placement:
             "max_restarts": 0,
         }
 
-    async def group(self, name: str, bundle: dict, strategy: str):
-        pg = placement_group([bundle], strategy=strategy, name=f"pdserve:{name}",
+    async def group(self, name: str, bundle: dict, strategy: str, count: int = 1):
+        """`count` bundles like `bundle` (a tensor-parallel worker: one per rank, on one node)."""
+        pg = placement_group([bundle] * count, strategy="STRICT_PACK" if count > 1 else strategy, name=f"pdserve:{name}",
                              lifetime="detached" if self.detached else None)
         try:
             await wait_ref(pg.ready(), PLACEMENT_TIMEOUT_S)

@@ -27,7 +27,7 @@ from engine.block_manager import BlockManager
 from engine.errors import InvalidRequestError
 from engine.kv_sink import KVLayerSink, SinkRequest, layer_hook
 from engine.model_loader import LoadedModel
-from engine.parallel import TensorParallelGroup
+from engine.parallel import RankLauncher, TensorParallelGroup
 from engine.runtime import build_runtime
 from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
@@ -93,15 +93,16 @@ class StepCounters:
 
 class Engine:
     def __init__(self, config: EngineConfig, loaded: LoadedModel | None = None, kv_sink: KVLayerSink | None = None,
-                 rank_agent: tuple[str, Any] | None = None):
-        """rank_agent: with tensor parallelism, ("module:function", settings) that builds each follower
-        rank's agent (engine.parallel.follower.RankAgent: its KV endpoint); rank 0's is the worker itself."""
+                 rank_agent: tuple[str, Any] | None = None, rank_launcher: RankLauncher | None = None):
+        """With tensor parallelism: rank_agent, ("module:function", settings) that builds each follower
+        rank's agent (engine.parallel.follower.RankAgent: its KV endpoint; rank 0's is the worker itself);
+        rank_launcher, what starts the follower processes (default: children of this process)."""
         self.config = config
         self.kv_sink = kv_sink
         self._apply_num_threads()
         if loaded is not None and config.tensor_parallel_size > 1:
             raise ValueError("a tensor-parallel engine loads its own shard on every rank: pass no loaded model")
-        self.parallel = TensorParallelGroup.start(config, rank_agent) if config.tensor_parallel_size > 1 else None
+        self.parallel = TensorParallelGroup.start(config, rank_agent, rank_launcher) if config.tensor_parallel_size > 1 else None
         runtime = build_runtime(config, loaded)
         self.loaded, self.layout, self.kv_cache = runtime.loaded, runtime.layout, runtime.kv_cache
         self.global_layout = dataclasses.replace(self.layout, num_kv_heads=self.layout.num_kv_heads * config.tensor_parallel_size)

@@ -33,7 +33,8 @@ async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str,
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
     streamer = LayerStreamer(fault_point) if kv.layerwise else None
     ranks = (AGENT, RankSettings(kv, security.kv_secret))
-    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks), on_fatal=lose_worker)
+    engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks, rank_launcher=args.rank_launcher),
+                         on_fatal=lose_worker)
     engine.start()
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     sender = make_sender(kv, security.kv_secret, FaultInjector.configured(kv.faults))

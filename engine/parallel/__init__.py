@@ -10,6 +10,6 @@ the channel and every rank runs the same forward, kept in lockstep by the all-re
 `close` sends the stop and joins the followers; a follower whose rank 0 is gone exits on its own.
 """
 
-from engine.parallel.group import RankInfo, TensorParallelGroup
+from engine.parallel.group import LocalRanks, RankInfo, RankLauncher, TensorParallelGroup
 
-__all__ = ["RankInfo", "TensorParallelGroup"]
+__all__ = ["LocalRanks", "RankInfo", "RankLauncher", "TensorParallelGroup"]

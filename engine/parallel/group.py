@@ -23,7 +23,7 @@ import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, Listener
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -56,8 +56,38 @@ class RankInfo:
     (engine.parallel.follower.RankAgent), called with (runtime, rank, engine config, settings)."""
 
     def device(self, configured: str) -> str:
-        """One GPU per rank: rank r uses cuda:r of its node; CPU ranks share the CPU."""
-        return f"cuda:{self.rank}" if torch.device(configured).type == "cuda" else configured
+        """One GPU per rank: rank r uses cuda:r of its node, or cuda:0 where it sees one GPU only (a
+        rank placed by Ray, which gives each bundle's process its own GPU); CPU ranks share the CPU."""
+        if torch.device(configured).type != "cuda":
+            return configured
+        return f"cuda:{self.rank}" if torch.cuda.device_count() > self.rank else "cuda:0"
+
+
+class RankHandle(Protocol):
+    def is_alive(self) -> bool: ...
+
+    def kill(self) -> None: ...
+
+    def join(self, timeout: float | None = None) -> None: ...
+
+
+class RankLauncher(Protocol):
+    """Starts follower rank processes: `launch` runs engine.parallel.follower.serve_rank(config, info)
+    somewhere on rank 0's node and returns a handle on it."""
+
+    def launch(self, config: EngineConfig, info: RankInfo) -> RankHandle: ...
+
+
+class LocalRanks:
+    """Followers as child processes of rank 0 (plain processes, `pdserve generate --local`)."""
+
+    def launch(self, config: EngineConfig, info: RankInfo) -> RankHandle:
+        from engine.parallel.follower import serve_rank
+
+        process = multiprocessing.get_context("spawn").Process(target=serve_rank, args=(config, info),
+                                                                name=f"pdserve-tp-rank{info.rank}", daemon=True)
+        process.start()
+        return process
 
 
 def join(info: RankInfo, device: str) -> None:
@@ -87,7 +117,7 @@ class _Ask:
 class TensorParallelGroup:
     """Rank 0 of a running group. `start` returns once every follower has joined."""
 
-    def __init__(self, info: RankInfo, processes: list[multiprocessing.process.BaseProcess], channels: list[Connection]):
+    def __init__(self, info: RankInfo, processes: list[RankHandle], channels: list[Connection]):
         self.info = info
         self._processes = processes
         self._channels = channels
@@ -103,21 +133,14 @@ class TensorParallelGroup:
             threading.Thread(target=self._read, args=(rank, channel), name=f"pdserve-tp-replies{rank}", daemon=True).start()
 
     @classmethod
-    def start(cls, config: EngineConfig, agent: tuple[str, Any] | None = None) -> TensorParallelGroup:
-        from engine.parallel.follower import serve_rank
-
+    def start(cls, config: EngineConfig, agent: tuple[str, Any] | None = None, launcher: RankLauncher | None = None) -> TensorParallelGroup:
         check_tensor_parallel(config.model, config.tensor_parallel_size)
         world = config.tensor_parallel_size
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
         info = RankInfo(0, world, f"tcp://127.0.0.1:{_free_port()}", listener.address, authkey, agent)
-        spawn = multiprocessing.get_context("spawn")
-        processes = []
-        for rank in range(1, world):
-            process = spawn.Process(target=serve_rank, args=(config, dataclasses.replace(info, rank=rank)),
-                                    name=f"pdserve-tp-rank{rank}", daemon=True)
-            process.start()
-            processes.append(process)
+        launcher = launcher or LocalRanks()
+        processes = [launcher.launch(config, dataclasses.replace(info, rank=rank)) for rank in range(1, world)]
         try:
             channels = [listener.accept() for _ in processes]
             channels.sort(key=lambda c: c.recv())  # each follower says its rank first
