@@ -15,12 +15,13 @@ from common.config import PdserveConfig
 from common.security import Security
 from common.serving import ServerControl
 from common.worker import WorkerParts, lose_worker, run_worker, worker_main
-from decode_worker.ranks import AGENT, FollowerReceivers, RankSettings
+from decode_worker.ranks import AGENT, FollowerReceivers
 from decode_worker.service import DecodeService
 from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import KVReceiver, fingerprint
 from kvtransfer.faults import FaultPoint
+from kvtransfer.pieces import RankSettings
 from kvtransfer.sharding import head_range
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 

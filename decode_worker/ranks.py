@@ -14,26 +14,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from dataclasses import dataclass
 
-from common.config import KVTransferConfig
 from common.engine_config import EngineConfig
 from engine.parallel import TensorParallelGroup
 from engine.parallel.messages import Call
 from engine.runtime import Runtime
 from kvtransfer import ErrorCode, KVEndpoint, KVReceiver
-from kvtransfer.pieces import bytes_or_raise, outcome_of
+from kvtransfer.pieces import RankSettings, bytes_or_raise, outcome_of
 from kvtransfer.sharding import head_range
 
 AGENT = "decode_worker.ranks:DecodeRank"
-
-
-@dataclass(frozen=True)
-class RankSettings:
-    """What a follower rank needs of the worker's config to receive KV as rank 0 does."""
-
-    kv: KVTransferConfig
-    kv_secret: bytes
 
 
 class DecodeRank:

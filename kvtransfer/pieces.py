@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from common.config import KVTransferConfig
 from engine.kv_cache import KVLayout
 from kvtransfer import errors
 from kvtransfer.errors import ErrorCode, KVTransferError
@@ -43,6 +44,15 @@ if TYPE_CHECKING:
     from kvtransfer.sender import KVSender
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RankSettings:
+    """What a tensor-parallel worker's follower rank needs of the worker's config for its own KV
+    endpoint (sender or receiver), handed to it when it starts."""
+
+    kv: KVTransferConfig
+    kv_secret: bytes
 
 
 @dataclass(frozen=True)

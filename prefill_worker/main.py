@@ -20,7 +20,8 @@ from engine import Engine
 from engine.async_engine import AsyncEngine
 from kvtransfer import FaultInjector, fingerprint
 from kvtransfer.faults import FaultPoint
-from prefill_worker.ranks import AGENT, RankSettings, make_sender
+from kvtransfer.pieces import RankSettings
+from prefill_worker.ranks import AGENT, make_sender
 from prefill_worker.service import PrefillService
 from prefill_worker.streamer import LayerStreamer
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc

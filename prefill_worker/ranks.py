@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from dataclasses import dataclass
 
 from common.config import KVTransferConfig
 from common.engine_config import EngineConfig
@@ -25,18 +24,10 @@ from engine.runtime import Runtime
 from kvtransfer import KVSender
 from kvtransfer.codec import WirePolicy
 from kvtransfer.errors import ErrorCode
-from kvtransfer.pieces import Destination, PieceSend, bytes_or_raise, outcome_of
+from kvtransfer.pieces import Destination, PieceSend, RankSettings, bytes_or_raise, outcome_of
 from prefill_worker.streamer import LayerStreamer
 
 AGENT = "prefill_worker.ranks:PrefillRank"
-
-
-@dataclass(frozen=True)
-class RankSettings:
-    """What a follower rank needs of the worker's config to send KV as rank 0 does."""
-
-    kv: KVTransferConfig
-    kv_secret: bytes
 
 
 def make_sender(kv: KVTransferConfig, secret: bytes, faults=None) -> KVSender:

@@ -29,6 +29,13 @@ HAVE_UCX = importlib.util.find_spec("ucxx") is not None
 TRANSPORTS = ["tcp", pytest.param("ucx", marks=pytest.mark.skipif(not HAVE_UCX, reason="ucxx missing"))]
 
 
+@pytest.fixture
+async def sender():
+    sender = KVSender(ack_timeout=10.0)
+    yield sender
+    await asyncio.to_thread(sender.close)
+
+
 def source() -> KVCache:
     """The prompt's KV with every head, as one unsplit model would hold it."""
     cache = KVCache(GLOBAL, num_blocks=12)
@@ -98,34 +105,26 @@ async def test_every_decode_rank_gets_exactly_its_heads(src_tp, dst_tp, transpor
         await asyncio.to_thread(sender.close)
 
 
-async def test_a_missing_piece_times_out_and_the_others_are_aborted():
-    sender = KVSender(ack_timeout=10.0)
-    try:
-        async with DecodeRanks(1, "tcp") as ranks:
-            fut = ranks.receivers[0].expect_pieces("m", DST_BLOCKS, N, FP, timeout=1.0)
-            (sent,) = send_pieces(sender, source(), ranks, 2, "m", skip={1})
-            with pytest.raises(TransferTimeout):
-                await fut
-            with pytest.raises(TransferTimeout):
-                await sent.wait(10)
-            assert ranks.receivers[0].pending == 0
-    finally:
-        await asyncio.to_thread(sender.close)
+async def test_a_missing_piece_times_out_and_the_others_are_aborted(sender):
+    async with DecodeRanks(1, "tcp") as ranks:
+        fut = ranks.receivers[0].expect_pieces("m", DST_BLOCKS, N, FP, timeout=1.0)
+        (sent,) = send_pieces(sender, source(), ranks, 2, "m", skip={1})
+        with pytest.raises(TransferTimeout):
+            await fut
+        with pytest.raises(TransferTimeout):
+            await sent.wait(10)
+        assert ranks.receivers[0].pending == 0
 
 
-async def test_a_piece_outside_the_ranks_heads_is_refused():
-    sender = KVSender(ack_timeout=10.0)
-    try:
-        async with DecodeRanks(2, "tcp") as ranks:
-            fut = ranks.receivers[1].expect_pieces("o", DST_BLOCKS, N, FP, timeout=5)
-            header = dataclasses.replace(TransferHeader.for_layout("o#0", GLOBAL, N, FP), num_kv_heads=2, first_head=0)
-            xfer = sender.begin(ranks.endpoints[1], header)  # heads [0, 2) belong to rank 0
-            with pytest.raises(ShapeMismatch, match=r"heads \[0, 2\) do not fit this rank's heads \[2, 4\)"):
-                await fut
-            with pytest.raises(ShapeMismatch):
-                await xfer.wait(10)
-    finally:
-        await asyncio.to_thread(sender.close)
+async def test_a_piece_outside_the_ranks_heads_is_refused(sender):
+    async with DecodeRanks(2, "tcp") as ranks:
+        fut = ranks.receivers[1].expect_pieces("o", DST_BLOCKS, N, FP, timeout=5)
+        header = dataclasses.replace(TransferHeader.for_layout("o#0", GLOBAL, N, FP), num_kv_heads=2, first_head=0)
+        xfer = sender.begin(ranks.endpoints[1], header)  # heads [0, 2) belong to rank 0
+        with pytest.raises(ShapeMismatch, match=r"heads \[0, 2\) do not fit this rank's heads \[2, 4\)"):
+            await fut
+        with pytest.raises(ShapeMismatch):
+            await xfer.wait(10)
 
 
 async def test_cancel_fails_a_group_waiting_for_pieces():
@@ -149,15 +148,11 @@ def test_sharding_math():
         check_compatible((2, 3), (1, 3))
 
 
-async def test_a_prefill_worker_refuses_a_decode_layout_it_cannot_fill_before_sending():
-    sender = KVSender(ack_timeout=10.0)
-    try:
-        three_ranks = Destination("x", FP, [KVEndpoint("127.0.0.1", 1, "tcp")] * 3, 3)
-        with pytest.raises(IncompatibleLayouts, match="prefill worker TP=2 with 4 KV heads, decode worker TP=3 with 3 KV heads"):
-            PieceSend(sender, three_ranks, GLOBAL, N, 0, 2)
-        assert sender.stats.bytes_sent == 0
-    finally:
-        await asyncio.to_thread(sender.close)
+async def test_a_prefill_worker_refuses_a_decode_layout_it_cannot_fill_before_sending(sender):
+    three_ranks = Destination("x", FP, [KVEndpoint("127.0.0.1", 1, "tcp")] * 3, 3)
+    with pytest.raises(IncompatibleLayouts, match="prefill worker TP=2 with 4 KV heads, decode worker TP=3 with 3 KV heads"):
+        PieceSend(sender, three_ranks, GLOBAL, N, 0, 2)
+    assert sender.stats.bytes_sent == 0
 
 
 def test_the_prefill_worker_refuses_a_destination_up_front_naming_both_sides():
