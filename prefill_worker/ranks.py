@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 
 from common.config import KVTransferConfig
 from common.engine_config import EngineConfig
@@ -28,6 +29,8 @@ from kvtransfer.pieces import Destination, PieceSend, RankSettings, bytes_or_rai
 from prefill_worker.streamer import LayerStreamer
 
 AGENT = "prefill_worker.ranks:PrefillRank"
+
+log = logging.getLogger(__name__)
 
 
 def make_sender(kv: KVTransferConfig, secret: bytes, faults=None) -> KVSender:
@@ -47,7 +50,11 @@ class PrefillRank:
         verb, request_id = call.key
         if verb == "begin":
             destination, num_tokens = call.payload
-            send = PieceSend(self.sender, destination, self.layout, num_tokens, self.rank, self.tp, self.settings.kv.timeout_s)
+            try:
+                send = PieceSend(self.sender, destination, self.layout, num_tokens, self.rank, self.tp, self.settings.kv.timeout_s)
+            except (ValueError, RuntimeError) as exc:  # answered at `finish`: no send for this request
+                log.warning("rank %d: cannot send %s: %s", self.rank, request_id, exc)
+                return
             self._sends[request_id] = send
             self.sink.track(request_id, send)
             return

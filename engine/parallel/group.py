@@ -161,11 +161,13 @@ class TensorParallelGroup:
         try:
             self._send_all(Step(items, sink_requests))
             return runner.execute(items, hook)
-        except (OSError, RuntimeError) as exc:  # a closed channel, a collective whose peer is gone
+        except Exception as exc:  # a closed channel, a collective whose peer is gone, a failed forward
             lost = self.lost_ranks()
-            if not lost:
-                raise
-            raise RankLost(f"rank(s) {lost} of the tensor-parallel group exited") from exc
+            if lost:
+                raise RankLost(f"rank(s) {lost} of the tensor-parallel group exited") from exc
+            # the followers ran (or are running) a step rank 0 did not finish: the ranks' collectives
+            # are out of step for good, so the group is as lost as if a rank had died
+            raise RankLost(f"rank 0's step failed ({type(exc).__name__}: {exc}); the ranks are out of step") from exc
 
     # ---- the followers' rank agents ----------------------------------------------------------------
     def tell(self, key: Hashable, payloads: dict[int, Any]) -> None:
