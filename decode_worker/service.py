@@ -136,7 +136,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 yield response
         finally:
             if not committed:
-                await asyncio.shield(self._give_up(request_id, transfer_id, expected))
+                self._give_up(request_id, transfer_id)
+                await asyncio.shield(self._abort_when_settled(request_id, expected))
 
     def _expect(self, transfer_id: str, blocks: list[int], num_tokens: int, timeout: float) -> asyncio.Future:
         """Every rank's pieces of the prompt's KV: the future of rank 0's `ReceivedKV` (its trailer has the
@@ -163,14 +164,17 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         return pb.KVDestination(endpoint=endpoints[0], transfer_id=transfer_id, model_fingerprint=self.fingerprint,
                                 rank_endpoints=endpoints, num_kv_heads=self.engine.global_layout.num_kv_heads)
 
-    async def _give_up(self, request_id: str, transfer_id: str, expected: asyncio.Future) -> None:
-        """Free a request whose KV never committed, once no write into its blocks can still land (on any rank)."""
+    def _give_up(self, request_id: str, transfer_id: str) -> None:
+        """A request whose KV never committed: its stream closes and its transfer is cancelled on every rank at once."""
+        self.engine.close_stream(request_id)
         self.receiver.cancel(transfer_id)
         self.followers.cancel(transfer_id)
+
+    async def _abort_when_settled(self, request_id: str, expected: asyncio.Future) -> None:
+        """Free the request's blocks once no write into them can still land (on any rank)."""
         await asyncio.wait([expected], timeout=self.receiver.settle_timeout + 1)
         if expected.done() and not expected.cancelled():
             expected.exception()  # retrieved: the outcome was logged where it happened
-        self.engine.close_stream(request_id)
         await self.engine.abort(request_id)
 
     async def _reserve(self, request_id, prompt, params, context) -> list[int]:
