@@ -69,7 +69,7 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
 
 
 def _constraint(prep: Prepared, body, plan: ToolPlan | None):
-    constraint = response_constraint(body)
+    prep.structured_param, constraint = response_constraint(body)
     if plan is not None and plan.constraint is not None:
         if constraint is not None:
             raise invalid("response_format", f"cannot be combined with tool_choice {plan.choice}")

@@ -28,8 +28,8 @@ _TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 _ANY_OBJECT = {"type": "object"}
 
 
-def response_constraint(body) -> StructuredOutput | None:
-    """The output constraint a request asks for, checked (400 naming the field it came from)."""
+def response_constraint(body) -> tuple[str, StructuredOutput | None]:
+    """The output constraint a request asks for and the field it came from, checked (400 naming that field)."""
     fmt = body.response_format
     given = [name for name in ("guided_json", "guided_regex", "guided_grammar") if getattr(body, name) is not None]
     if fmt is not None and fmt.get("type", "text") != "text":
@@ -37,7 +37,7 @@ def response_constraint(body) -> StructuredOutput | None:
     if len(given) > 1:
         raise invalid(given[1], f"cannot be combined with {given[0]}")
     if not given:
-        return None
+        return "response_format", None
     name = given[0]
     if name == "response_format":
         constraint = _from_response_format(fmt)
@@ -47,7 +47,7 @@ def response_constraint(body) -> StructuredOutput | None:
     else:
         constraint = StructuredOutput(name.removeprefix("guided_"), getattr(body, name))
     _checked(name, constraint)
-    return constraint
+    return name, constraint
 
 
 def _from_response_format(fmt: dict) -> StructuredOutput:
@@ -101,7 +101,8 @@ def tool_plan(body) -> ToolPlan | None:
                   "required": ["name", "parameters"], "additionalProperties": False} for name, schema in schemas.items()]
         constraint = StructuredOutput("json_schema", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
         return ToolPlan(tools, "required", constraint=constraint)
-    name = choice.get("function", {}).get("name") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    function = choice.get("function") if isinstance(choice, dict) and choice.get("type") == "function" else None
+    name = function.get("name") if isinstance(function, dict) else None
     if name not in schemas:
         raise invalid("tool_choice", f"must be none, auto, required or {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
                                      f"naming one of the tools ({', '.join(schemas)}), got {choice!r}")
