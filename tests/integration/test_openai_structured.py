@@ -61,19 +61,20 @@ class _Chat:
         self.client.close()
 
 
-@pytest.fixture(scope="module")
-def demo_cluster(tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp("structured") / "pdserve.yaml", transport="tcp")
+def _cluster(tmp_path_factory, name: str, **engine):
+    config = write_config(tmp_path_factory.mktemp(name) / "pdserve.yaml", transport="tcp", engine=engine)
     with LocalCluster(config, num_prefill=1, num_decode=1) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def demo_cluster(tmp_path_factory):
+    yield from _cluster(tmp_path_factory, "structured")
 
 
 @pytest.fixture(scope="module")
 def tool_cluster(tmp_path_factory):
-    model = str(build_tool_model())
-    config = write_config(tmp_path_factory.mktemp("tools") / "pdserve.yaml", transport="tcp", engine={"model": model})
-    with LocalCluster(config, num_prefill=1, num_decode=1) as c:
-        yield c
+    yield from _cluster(tmp_path_factory, "tools", model=str(build_tool_model()))
 
 
 def test_json_schema_response_and_refusals(demo_cluster):
