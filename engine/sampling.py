@@ -41,6 +41,9 @@ class StructuredOutput:
 
     kind: str
     spec: str = ""
+    accepted: tuple[int, ...] = field(default=(), compare=False)
+    """Tokens an earlier attempt generated under this constraint (a migrated request: now the end of its
+    prompt); the matcher starts after them. Not part of the constraint's identity (its compile cache key)."""
 
     def validate(self) -> None:
         if self.kind not in STRUCTURED_KINDS:

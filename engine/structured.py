@@ -9,7 +9,8 @@ Lifecycle it owns, per engine and per request:
     `GrammarMatcher` is made for it; before every step the matcher is fed the request's output
     tokens it has not seen yet, so it follows every accepted token wherever it was sampled: the first
     token that a prefill worker sampled under the same constraint reaches a decode worker's matcher
-    here, and a preempted request keeps its matcher. `forget` drops it when the request finishes.
+    here, and a preempted request keeps its matcher; a migrated request's matcher is first fed the
+    tokens its earlier attempts generated (`StructuredOutput.accepted`). `forget` drops it at the end.
   - step: `mask` fills one token bitmask for the rows of the constrained requests and sets every
     other token's logit to -inf in those rows (EOS is allowed only where the grammar is complete);
     a step without constrained requests does no work.
@@ -114,8 +115,11 @@ class StructuredOutputs:
         known = self._matchers.get(seq.request_id)
         if known is None:
             known = (xgr.GrammarMatcher(self.grammars.get(seq.params.structured)), 0)
+            if not all(known[0].accept_token(t) for t in seq.params.structured.accepted):
+                known = (None, 0)
         matcher, seen = known
         if matcher is None:
+            self._matchers[seq.request_id] = known
             return None
         tokens = seq.output_token_ids
         for token in tokens[seen:]:

@@ -93,12 +93,12 @@ def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
     kind = msg.WhichOneof("kind")
     if kind is None:
         return None
-    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind))
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind), tuple(msg.accepted_token_ids))
 
 
 def structured_to_proto(constraint: StructuredOutput) -> pb.StructuredOutput:
     value = True if constraint.kind == "json_object" else constraint.spec
-    return pb.StructuredOutput(**{constraint.kind: value})
+    return pb.StructuredOutput(**{constraint.kind: value}, accepted_token_ids=list(constraint.accepted))
 
 
 def finish_reason_to_proto(reason: FinishReason | None) -> int:

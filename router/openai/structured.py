@@ -138,10 +138,9 @@ class ToolCalls:
             return None, [self._call(0, plan.function, text)]
         if plan.choice == "required":
             try:
-                calls = json.loads(text)
-            except json.JSONDecodeError:
+                return None, [self._call(i, c["name"], json.dumps(c["parameters"])) for i, c in enumerate(json.loads(text))]
+            except (json.JSONDecodeError, KeyError, TypeError):  # cut short by max_tokens
                 return text, []
-            return None, [self._call(i, c["name"], json.dumps(c["parameters"])) for i, c in enumerate(calls)]
         calls = []
         for found in _TOOL_CALL.findall(text):
             try:

@@ -115,4 +115,6 @@ def test_the_constraint_travels_through_the_proto(constraint):
 
     params = SamplingParams(max_tokens=8, structured=constraint)
     assert sampling_from_proto(sampling_to_proto(params)).structured == constraint
+    continued = SamplingParams(max_tokens=8, structured=StructuredOutput(constraint.kind, constraint.spec, (5, 6)))
+    assert sampling_from_proto(sampling_to_proto(continued)).structured.accepted == (5, 6)
     assert sampling_from_proto(sampling_to_proto(SamplingParams(max_tokens=8))).structured is None

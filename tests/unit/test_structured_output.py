@@ -98,6 +98,31 @@ def test_a_matcher_catches_up_with_the_first_token_sampled_elsewhere(grammars, d
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [eos]  # complete: only EOS
 
 
+def test_a_migrated_matcher_starts_after_the_accepted_tokens(grammars, demo_model):
+    tokenizer, vocab = demo_model.tokenizer, demo_model.config.vocab_size
+    hello = tuple(tokenizer.encode("hello"))
+    constraint = StructuredOutput("regex", "(hello world)|(goodbye moon)", accepted=hello)
+    assert constraint == StructuredOutput("regex", "(hello world)|(goodbye moon)")  # one cache entry
+    out = StructuredOutputs(grammars).mask(torch.zeros(1, vocab), [_seq("m", constraint)], in_place=True)
+    allowed = {tokenizer.decode([t]) for t in torch.isfinite(out[0]).nonzero().flatten().tolist()}
+    assert allowed and all(" world".startswith(text) for text in allowed)
+
+
+def test_a_migrated_request_continues_its_constrained_output(demo_model):
+    """What a decode migration sends: prompt + the tokens streamed so far, the constraint with them as
+    `accepted`; the rest equals the uninterrupted output."""
+    engine = make_engine(demo_model, max_model_len=512)
+    prompt = _chat(demo_model, "Describe a baker as JSON.")
+    params = SamplingParams(max_tokens=80, structured=PERSON_CONSTRAINT)
+    engine.add_request("whole", prompt, params)
+    whole = run_to_completion(engine)["whole"]
+    done = whole[:5]
+    moved = SamplingParams(max_tokens=80 - len(done), structured=StructuredOutput("json_schema", PERSON_CONSTRAINT.spec, tuple(done)))
+    engine.add_request("moved", prompt + done, moved)
+    assert done + run_to_completion(engine)["moved"] == whole
+    assert_no_leaked_blocks(engine)
+
+
 def test_invalid_schema_refused_at_add_request(demo_model):
     engine = make_engine(demo_model, max_model_len=256)
     with pytest.raises(InvalidRequestError) as err:
