@@ -33,6 +33,7 @@ from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, RequestState, Sequence
+from engine.structured import GrammarCache, StructuredOutputs
 
 log = logging.getLogger(__name__)
 
@@ -117,7 +118,8 @@ class Engine:
             self.blocks,
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
-        self.sampler = Sampler(config.seed, self.eos_token_ids)
+        grammars = GrammarCache(self.loaded.tokenizer, self.vocab_size, self.eos_token_ids)
+        self.sampler = Sampler(config.seed, self.eos_token_ids, StructuredOutputs(grammars))
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self.counters = StepCounters()
@@ -265,6 +267,8 @@ class Engine:
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt):
             raise InvalidRequestError("prompt_token_ids", f"every id must be an integer in [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        if params.structured is not None:
+            self.sampler.structured.check(params.structured)
         total = len(prompt) + (1 if prefill_only else params.max_tokens)
         if total > self.max_model_len:
             raise InvalidRequestError(

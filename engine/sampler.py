@@ -1,7 +1,8 @@
 """Turn the logits of the requests that sample this step into tokens.
 
 First `LogitsAdjuster` applies the requests' penalties, logit_bias and min_tokens (no work when no
-request of the step uses them). Greedy rows take the argmax of the adjusted logits; the others apply
+request of the step uses them), then `StructuredOutputs` masks the tokens that the constrained
+requests' grammars do not accept (no work without such requests). Greedy rows take the argmax of the adjusted logits; the others apply
 temperature, top-k and top-p and draw with the request's own generator (seeded from
 `SamplingParams.seed`, else from the engine's seed sequence),
 so a seeded request samples the same tokens whatever it is batched with. Logprobs come from the
@@ -17,6 +18,7 @@ import torch
 
 from engine.logits_processors import LogitsAdjuster
 from engine.sequence import Sequence
+from engine.structured import StructuredOutputs
 
 
 @dataclass
@@ -27,18 +29,23 @@ class Sample:
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = ()):
+    def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = (), structured: StructuredOutputs | None = None):
         self._adjuster = LogitsAdjuster(eos_token_ids)
+        self.structured = structured
         self._seed_source = torch.Generator().manual_seed(seed)
         self._generators: dict[str, torch.Generator] = {}
 
     def forget(self, request_id: str) -> None:
         self._generators.pop(request_id, None)
         self._adjuster.forget(request_id)
+        if self.structured is not None:
+            self.structured.forget(request_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
         logits = logits.float()
         adjusted = self._adjuster.adjust(logits, seqs)
+        if self.structured is not None:
+            adjusted = self.structured.mask(adjusted, seqs, in_place=adjusted is not logits)
         token_list = torch.argmax(adjusted, dim=-1).tolist()  # the step's one wait for the device
         drawn = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if drawn:  # drawn on the host with the request's own CPU generator, whatever the device

@@ -2,7 +2,8 @@
 
 The logits adjustments (penalties, logit_bias, min_tokens) are applied by
 `engine.logits_processors` before the sampler picks a token; `adjusts_logits` tells it which
-requests need any of that work.
+requests need any of that work. A `StructuredOutput` constraint (JSON, JSON schema, regex, grammar)
+is compiled and enforced by `engine.structured`.
 """
 
 from __future__ import annotations
@@ -30,6 +31,27 @@ def _is_number(value) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "grammar")
+"""json_object: any JSON object; json_schema: a JSON schema (JSON text); regex; grammar: EBNF (GBNF)."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output; `spec` is the schema / regex / grammar text (empty for json_object)."""
+
+    kind: str
+    spec: str = ""
+    accepted: tuple[int, ...] = field(default=(), compare=False)
+    """Tokens an earlier attempt generated under this constraint (a migrated request: now the end of its
+    prompt); the matcher starts after them. Not part of the constraint's identity (its compile cache key)."""
+
+    def validate(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise InvalidRequestError("structured_output", f"kind must be one of {', '.join(STRUCTURED_KINDS)}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise InvalidRequestError("structured_output", f"a {self.kind} constraint needs its text")
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     max_tokens: int = 16
@@ -51,6 +73,8 @@ class SamplingParams:
     """(token id, bias) pairs added to the logits; a mapping is accepted and stored sorted by id."""
     min_tokens: int = 0
     """EOS (unless ignore_eos) and stop_token_ids cannot be sampled before this many output tokens."""
+    structured: StructuredOutput | None = None
+    """Only tokens the constraint accepts can be sampled; EOS only where it is complete."""
 
     def __post_init__(self):
         if isinstance(self.logit_bias, Mapping):
@@ -82,6 +106,8 @@ class SamplingParams:
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise InvalidRequestError("logprobs", f"must be an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         self._validate_adjustments(vocab_size)
+        if self.structured is not None:
+            self.structured.validate()
 
     def _validate_adjustments(self, vocab_size: int | None) -> None:
         for name in ("presence_penalty", "frequency_penalty"):

@@ -14,8 +14,8 @@ def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:
     return encode_chat(tokenizer, [{"role": "user", "content": prompt}])
 
 
-def encode_chat(tokenizer, messages: list[dict]) -> list[int]:
+def encode_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
     if not messages:
         raise InvalidRequestError("messages", "must contain at least one message")
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    text = tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=False, add_generation_prompt=True)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])

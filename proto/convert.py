@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, StructuredOutput
 from engine.sequence import FinishReason
 from proto.pdserve.v1 import pdserve_pb2 as pb
 
@@ -47,6 +47,7 @@ def sampling_from_proto(msg: pb.SamplingParams, field_prefix: str = "sampling") 
         repetition_penalty=msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0,
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
+        structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None,
     )
     try:
         params.validate()
@@ -83,7 +84,21 @@ def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> 
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured))
     return msg
+
+
+def structured_from_proto(msg: pb.StructuredOutput) -> StructuredOutput | None:
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        return None
+    return StructuredOutput(kind, "" if kind == "json_object" else getattr(msg, kind), tuple(msg.accepted_token_ids))
+
+
+def structured_to_proto(constraint: StructuredOutput) -> pb.StructuredOutput:
+    value = True if constraint.kind == "json_object" else constraint.spec
+    return pb.StructuredOutput(**{constraint.kind: value}, accepted_token_ids=list(constraint.accepted))
 
 
 def finish_reason_to_proto(reason: FinishReason | None) -> int:

@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 
 from common.tracing import incoming_context
 from engine.errors import InvalidRequestError
+from proto.convert import structured_from_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.admission import Overloaded, Unavailable
@@ -86,7 +87,8 @@ def _sampling(msg: pb.SamplingParams) -> SamplingRequest:
                            stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, logprobs=given("logprobs"),
                            presence_penalty=msg.presence_penalty or None, frequency_penalty=msg.frequency_penalty or None,
                            repetition_penalty=given("repetition_penalty"), logit_bias=dict(msg.logit_bias),
-                           min_tokens=msg.min_tokens)
+                           min_tokens=msg.min_tokens,
+                           structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
 
 
 def add_router_to_server(service: RouterService, server: grpc.aio.Server) -> None:

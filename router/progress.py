@@ -43,8 +43,11 @@ class Progress:
     def next_attempt(self) -> pb.DecodeRequest:
         """A DecodeRequest that continues from what was already streamed (prompt + generated)."""
         done = len(self.generated)
+        structured = self.params.structured
+        if structured is not None and done:  # the constraint continues after what was streamed
+            structured = dataclasses.replace(structured, accepted=tuple(self.generated))
         remaining = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - done,
-                                        min_tokens=max(0, self.params.min_tokens - done))
+                                        min_tokens=max(0, self.params.min_tokens - done), structured=structured)
         request_id = f"{self.request_id}.{self.attempts}"
         self.attempts += 1
         return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + self.generated, sampling=sampling_to_proto(remaining))

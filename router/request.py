@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, StructuredOutput
 
 DEFAULTS = SamplingParams(temperature=1.0)
 """What an unset sampling field means (max_tokens aside: the router fills it from the context)."""
@@ -36,11 +36,16 @@ class TextPrompt:
 class ChatTurn:
     role: str
     content: str
+    tool_calls: list[dict] | None = None
+    """An assistant turn's calls, in the chat template's shape ({"name", "arguments": {...}} under "function")."""
+    tool_call_id: str | None = None
 
 
 @dataclass(frozen=True)
 class ChatPrompt:
     messages: list[ChatTurn]
+    tools: list[dict] | None = None
+    """OpenAI-style function tools, rendered by the chat template (`apply_chat_template(tools=...)`)."""
 
 
 Prompt = TokenPrompt | TextPrompt | ChatPrompt
@@ -64,6 +69,7 @@ class SamplingRequest:
     repetition_penalty: float | None = None
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
+    structured: StructuredOutput | None = None
 
     def check_finite(self) -> None:
         """NaN passes every range check (all comparisons are false) and would poison the sampler."""
@@ -77,7 +83,7 @@ class SamplingRequest:
         given = {name: getattr(self, name) for name in _OPTIONAL if getattr(self, name) is not None}
         params = dataclasses.replace(DEFAULTS, **given, max_tokens=max_tokens, ignore_eos=self.ignore_eos,
                                      stop_token_ids=tuple(self.stop_token_ids), logit_bias=dict(self.logit_bias),
-                                     min_tokens=self.min_tokens)
+                                     min_tokens=self.min_tokens, structured=self.structured)
         try:
             params.validate(vocab_size)
         except InvalidRequestError as exc:

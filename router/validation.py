@@ -9,13 +9,17 @@ strings, or raises InvalidRequestError naming the field by its gRPC path (`sampl
 from __future__ import annotations
 
 import functools
+import json
+import re
 from dataclasses import dataclass
 
+import jsonschema
+
 from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from engine.sampling import SamplingParams, StructuredOutput
 from engine.tokenization import encode_chat, encode_prompt
 from proto.convert import DEFAULT_MAX_TOKENS
-from router.request import ChatPrompt, RouterRequest, TextPrompt, TokenPrompt
+from router.request import ChatPrompt, ChatTurn, RouterRequest, TextPrompt, TokenPrompt
 from router.settings import RouterSettings
 
 MAX_STOP_STRINGS = 16
@@ -24,7 +28,7 @@ MAX_REQUEST_ID_CHARS = 256
 PROMPT_CHARS_MARGIN = 2
 """A text prompt of more characters than context x (longest token in characters) x this margin cannot
 fit the context whatever it tokenizes to; it is refused before the (event-loop blocking) tokenizer runs."""
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -55,6 +59,8 @@ class Validator:
         # unset max_tokens: as much as fits, at most the default
         max_tokens = sampling.max_tokens or max(1, min(DEFAULT_MAX_TOKENS, max_len - len(ids)))
         params = sampling.params(max_tokens, vocab_size=len(self.tokenizer))
+        if params.structured is not None:
+            check_structured(params.structured)
         stop = checked_stop(list(sampling.stop))
         if len(ids) + params.max_tokens > max_len:
             raise InvalidRequestError(
@@ -86,15 +92,17 @@ class Validator:
         return ids
 
     def _chat_ids(self, prompt: ChatPrompt) -> list[int]:
-        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        messages = [_chat_message(m) for m in prompt.messages]
+        if prompt.tools and "tools" not in (getattr(self.tokenizer, "chat_template", None) or ""):
+            raise InvalidRequestError("prompt.chat.tools", "this model's chat template does not support tools")
         if not messages:
             raise InvalidRequestError("prompt.chat.messages", "must contain at least one message")
         for i, m in enumerate(messages):
             if m["role"] not in CHAT_ROLES:
-                raise InvalidRequestError(f"prompt.chat.messages[{i}].role", f"must be system, user or assistant, got {m['role']!r}")
+                raise InvalidRequestError(f"prompt.chat.messages[{i}].role", f"must be system, user, assistant or tool, got {m['role']!r}")
         self._check_prompt_chars("prompt.chat.messages", sum(len(m["content"]) for m in messages))
         try:
-            return encode_chat(self.tokenizer, messages)
+            return encode_chat(self.tokenizer, messages, prompt.tools)
         except InvalidRequestError:
             raise
         except Exception as exc:  # the model's chat template refused the conversation (jinja2 TemplateError)
@@ -113,6 +121,15 @@ class Validator:
         return max(len(self.tokenizer.convert_tokens_to_string([t])) for t in self.tokenizer.get_vocab()) or 1
 
 
+def _chat_message(turn: ChatTurn) -> dict:
+    message = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = turn.tool_calls
+    if turn.tool_call_id:
+        message["tool_call_id"] = turn.tool_call_id
+    return message
+
+
 def checked_stop(stop: list[str]) -> list[str]:
     if len(stop) > MAX_STOP_STRINGS:
         raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
@@ -120,3 +137,25 @@ def checked_stop(stop: list[str]) -> list[str]:
         if len(text) > MAX_STOP_STRING_CHARS:
             raise InvalidRequestError(f"sampling.stop[{i}]", f"at most {MAX_STOP_STRING_CHARS} characters, got {len(text)}")
     return stop
+
+
+def check_structured(constraint: StructuredOutput) -> None:
+    """What the router can check without xgrammar (which loads torch): a JSON schema parses and is a
+    valid schema, a regex compiles. The workers compile the constraint and refuse what xgrammar cannot
+    (INVALID_ARGUMENT `structured_output`), before any work."""
+    field_name = "sampling.structured_output"
+    if constraint.kind == "json_schema":
+        try:
+            schema = json.loads(constraint.spec)
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except json.JSONDecodeError as exc:
+            raise InvalidRequestError(field_name, f"the JSON schema is not JSON: {exc}") from None
+        except jsonschema.SchemaError as exc:
+            raise InvalidRequestError(field_name, f"not a valid JSON schema: {exc.message}") from None
+        if not isinstance(schema, (dict, bool)):
+            raise InvalidRequestError(field_name, "a JSON schema is an object")
+    elif constraint.kind == "regex":
+        try:
+            re.compile(constraint.spec)
+        except re.error as exc:
+            raise InvalidRequestError(field_name, f"not a valid regular expression: {exc}") from None

@@ -8,12 +8,14 @@ keeps in `Prepared` what shaping the answer needs (kind, id, stream options, log
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
 from router.openai.errors import invalid
 from router.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest
+from router.openai.structured import ToolPlan, response_constraint, tool_plan
 from router.request import ChatPrompt, ChatTurn, Prompt, RouterRequest, SamplingRequest, TextPrompt, TokenPrompt
 from router.settings import RouterSettings
 from router.validation import MAX_STOP_STRINGS
@@ -33,6 +35,9 @@ class Prepared:
     include_usage: bool = False
     logprobs: int | None = None
     max_tokens_param: str = "max_tokens"
+    tools: ToolPlan | None = None
+    structured_param: str = "response_format"
+    """The field the output constraint came from (its compile errors name it)."""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -44,8 +49,9 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
                       code="model_not_found")
     _check_unsupported(body)
     request_id = uuid.uuid4().hex
+    plan = tool_plan(body) if kind == "chat" else None
     if kind == "chat":
-        prompt = _chat_prompt(body)
+        prompt = _chat_prompt(body, plan)
         if body.top_logprobs is not None and not body.logprobs:
             raise invalid("top_logprobs", "requires logprobs to be true")
         logprobs = (body.top_logprobs or 0) if body.logprobs else None
@@ -57,7 +63,18 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
                     include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
                     id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id)
     prep.request.sampling = _sampling(prep, body, settings)
+    prep.tools = plan
+    prep.request.sampling.structured = _constraint(prep, body, plan)
     return prep
+
+
+def _constraint(prep: Prepared, body, plan: ToolPlan | None):
+    prep.structured_param, constraint = response_constraint(body)
+    if plan is not None and plan.constraint is not None:
+        if constraint is not None:
+            raise invalid("response_format", f"cannot be combined with tool_choice {plan.choice}")
+        constraint, prep.structured_param = plan.constraint, "tool_choice"
+    return constraint
 def _check_unsupported(body) -> None:
     if body.n is not None and body.n != 1:
         raise invalid("n", f"only n=1 is supported, got {body.n}" if body.n > 1 else f"must be >= 1, got {body.n}")
@@ -68,11 +85,6 @@ def _check_unsupported(body) -> None:
             raise invalid("best_of", f"only best_of=1 is supported, got {body.best_of}")
         if body.suffix:
             raise invalid("suffix", "is not supported")
-    else:
-        if body.tools:
-            raise invalid("tools", "tool calling is not supported")
-        if body.response_format and body.response_format.get("type", "text") != "text":
-            raise invalid("response_format", "only the 'text' format is supported")
 
 
 def _completion_prompt(body: CompletionRequest) -> Prompt:
@@ -86,16 +98,34 @@ def _completion_prompt(body: CompletionRequest) -> Prompt:
     return TextPrompt(prompt, raw=True) if isinstance(prompt, str) else TokenPrompt(list(prompt))
 
 
-def _chat_prompt(body: ChatCompletionRequest) -> ChatPrompt:
+def _chat_prompt(body: ChatCompletionRequest, plan: ToolPlan | None) -> ChatPrompt:
     if not body.messages:
         raise invalid("messages", "must contain at least one message")
     turns = []
     for i, message in enumerate(body.messages):
         role = ROLES.get(message.role)
         if role is None:
-            raise invalid(f"messages[{i}].role", f"must be one of system, developer, user, assistant, got {message.role!r}")
-        turns.append(ChatTurn(role, _message_text(i, message)))
-    return ChatPrompt(turns)
+            raise invalid(f"messages[{i}].role", f"must be one of system, developer, user, assistant, tool, got {message.role!r}")
+        turns.append(ChatTurn(role, _message_text(i, message), _template_calls(i, message.tool_calls), message.tool_call_id))
+    return ChatPrompt(turns, plan.tools if plan else None)
+
+
+def _template_calls(i: int, calls: list[dict] | None) -> list[dict] | None:
+    """OpenAI's calls carry JSON-text arguments; chat templates expect them as objects."""
+    if not calls:
+        return None
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise invalid(f"messages[{i}].tool_calls[{j}].function", "must be an object with a name and arguments")
+        arguments = function.get("arguments", "{}")
+        try:
+            arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except json.JSONDecodeError:
+            raise invalid(f"messages[{i}].tool_calls[{j}].function.arguments", "must be JSON") from None
+        out.append({**call, "type": "function", "function": {"name": function["name"], "arguments": arguments}})
+    return out
 
 
 def _message_text(i: int, message: ChatMessage) -> str:
@@ -159,6 +189,8 @@ def param_from_service(field_path: str, prep: Prepared) -> str:
     the client knows OpenAI's names."""
     if field_path == "sampling.max_tokens":
         return prep.max_tokens_param
+    if field_path in ("sampling.structured_output", "structured_output"):
+        return prep.structured_param
     if field_path.startswith("sampling."):
         return field_path.removeprefix("sampling.")
     if field_path.startswith("prompt.chat."):

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's chat roles -> the router's."""
 
 
@@ -76,6 +76,11 @@ class _CommonRequest(_Strict):
     stop_token_ids: list[TokenId] | None = None
     repetition_penalty: Annotated[float, Field(ge=REPETITION_PENALTY_RANGE[0], le=REPETITION_PENALTY_RANGE[1])] | None = None
     min_tokens: Annotated[int, Field(ge=0, le=2**32 - 1)] | None = None
+    response_format: dict | None = None
+    """{"type": "text" | "json_object" | "json_schema", "json_schema": {"name", "schema", "strict"}}"""
+    guided_json: dict | str | None = None
+    guided_regex: str | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_CommonRequest):
@@ -100,6 +105,10 @@ class ChatMessage(_Strict):
     content: str | list[ContentPart] | None = None
     """The schema asks for it; only an assistant message may leave it out (a tool-call turn)."""
     name: str | None = None
+    tool_calls: list[dict] | None = None
+    """An assistant turn's calls: [{"id", "type": "function", "function": {"name", "arguments"}}]."""
+    tool_call_id: str | None = None
+    """A tool turn: the call it answers."""
 
 
 class ChatCompletionRequest(_CommonRequest):
@@ -107,8 +116,8 @@ class ChatCompletionRequest(_CommonRequest):
     max_completion_tokens: PositiveInt | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list | None = _documented(maxItems=0)
-    response_format: dict | None = None
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
 
 
 REQUEST_SCHEMAS = (CompletionRequest, ChatCompletionRequest)

@@ -3,7 +3,8 @@
 `Choice` absorbs the messages as they arrive (text deltas, logprobs, usage, finish reason) and
 shapes either one JSON body (`response_body`) or the SSE chunks of a stream (`chunk`,
 `usage_chunk`, each sent with `sse`); a stream that ended in error becomes an OpenAIError
-(`error_from_response`).
+(`error_from_response`). With tools, the text becomes `tool_calls` (`router.openai.structured.ToolCalls`):
+a named call streams its arguments as they come, the other modes send their calls when the text is complete.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.openai.convert import Prepared
 from router.openai.errors import OpenAIError, invalid, server_error
+from router.openai.structured import ToolCalls
 
 MIN_LOGPROB = -9999.0
 """-inf is not JSON; logprobs are clamped here."""
@@ -37,6 +39,8 @@ class Choice:
         self.logprobs: list[TokenLogprob] = []
         self.finish_reason: str | None = None
         self._offset = 0  # characters of generated text so far (completion logprobs' text_offset)
+        self.tool_calls = ToolCalls(prep.tools) if prep.tools is not None else None
+        self._streamed_call = False
 
     def absorb(self, response: pb.GenerateResponse) -> tuple[str, list[TokenLogprob]]:
         """Adds one message; returns its text delta and logprobs. A failed request raises OpenAIError."""
@@ -53,6 +57,8 @@ class Choice:
             self.cached_tokens = usage.cached_prompt_tokens
         text = response.chunk.text
         self.text.append(text)
+        if self.finish_reason == "stop" and self.tool_calls is not None and self.tool_calls.parse("".join(self.text))[1]:
+            self.finish_reason = "tool_calls"
         entries = self._logprobs(response.chunk) if self.prep.logprobs is not None else []
         self.logprobs.extend(entries)
         return text, entries
@@ -93,7 +99,7 @@ class Choice:
     def response_body(self) -> dict:
         prep = self.prep
         if prep.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(self.text)}}
+            choice = {"index": 0, "message": self._message()}
             obj = "chat.completion"
         else:
             choice = {"index": 0, "text": "".join(self.text)}
@@ -107,7 +113,9 @@ class Choice:
         prep = self.prep
         if prep.kind == "chat":
             delta: dict = {"role": "assistant"} if role else {}
-            if text is not None:
+            if self.tool_calls is not None and not role:
+                delta.update(self._tool_delta(text or "", finish_reason))
+            elif text is not None:
                 delta["content"] = text
             choice = {"index": 0, "delta": delta}
             obj = "chat.completion.chunk"
@@ -120,6 +128,23 @@ class Choice:
         if prep.include_usage:
             body["usage"] = None
         return body
+
+    def _message(self) -> dict:
+        text = "".join(self.text)
+        if self.tool_calls is None:
+            return {"role": "assistant", "content": text}
+        content, calls = self.tool_calls.parse(text)
+        message = {"role": "assistant", "content": content}
+        if calls:
+            message["tool_calls"] = calls
+        return message
+
+    def _tool_delta(self, text: str, finish_reason: str | None) -> dict:
+        """A named call streams its arguments; the other modes hold the text until the end."""
+        if self.tool_calls.plan.choice == "named":
+            first, self._streamed_call = not self._streamed_call, True
+            return self.tool_calls.stream_delta(text, first) if text or first else {}
+        return self.tool_calls.final_delta("".join(self.text)) if finish_reason else {}
 
     def usage_chunk(self) -> dict:
         prep = self.prep
