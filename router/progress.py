@@ -2,7 +2,10 @@
 
 Created by the orchestrator when a validated request starts; each attempt asks it for the
 `DecodeRequest` that continues from what was already streamed; the relay adds tokens and timings
-to it; `final` turns it into the last `GenerateResponse` (usage, per-stage timings).
+to it; `final` turns it into the last `GenerateResponse` of one sequence (usage, per-stage timings).
+A request with n > 1 has one `SequenceProgress` per sequence (its tokens, detokenizer, finish); it
+migrates only while none has streamed a token (the n sequences then restart as one group), since
+sequences that diverged cannot continue as one `DecodeRequest`.
 """
 
 from __future__ import annotations
@@ -21,14 +24,24 @@ from router.metrics import RouterMetrics
 
 
 @dataclass
+class SequenceProgress:
+    """One of the request's n sequences, as streamed so far."""
+
+    index: int
+    detok: IncrementalDetokenizer | None
+    generated: list[int] = field(default_factory=list)
+    finished: bool = False
+    last_token_at: float | None = None
+
+
+@dataclass
 class Progress:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     arrived: float
     deadline: float
-    detok: IncrementalDetokenizer | None
-    generated: list[int] = field(default_factory=list)
+    sequences: list[SequenceProgress]
     timings: pb.StageTimings = field(default_factory=pb.StageTimings)
     last_token_at: float | None = None
     cached_prompt_tokens: int = 0
@@ -40,18 +53,37 @@ class Progress:
         """Seconds left before the client's deadline (what every worker call may take)."""
         return max(0.05, self.deadline - time.monotonic())
 
+    @property
+    def num_generated(self) -> int:
+        return sum(len(s.generated) for s in self.sequences)
+
+    @property
+    def can_migrate(self) -> bool:
+        """One sequence continues from its tokens; n sequences only restart together, before any token."""
+        return len(self.sequences) == 1 or not self.num_generated
+
+    @property
+    def all_finished(self) -> bool:
+        return all(s.finished for s in self.sequences)
+
     def next_attempt(self) -> pb.DecodeRequest:
         """A DecodeRequest that continues from what was already streamed (prompt + generated)."""
-        done = len(self.generated)
+        generated = self.sequences[0].generated  # empty for a group (see can_migrate)
+        done = len(generated)
         remaining = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - done,
                                         min_tokens=max(0, self.params.min_tokens - done))
         request_id = f"{self.request_id}.{self.attempts}"
         self.attempts += 1
-        return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + self.generated, sampling=sampling_to_proto(remaining))
+        return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + generated, sampling=sampling_to_proto(remaining))
 
-    def final(self, chunk: pb.TokenChunk, reason: int, metrics: RouterMetrics) -> pb.GenerateResponse:
+    def final(self, chunk: pb.TokenChunk, reason: int, metrics: RouterMetrics, seq: SequenceProgress | None = None) -> pb.GenerateResponse:
+        """The last message of `seq` (default: sequence 0); E2E is observed when the last sequence ends."""
+        seq = seq or self.sequences[0]
+        seq.finished = True
+        chunk.index = seq.index
         self.timings.e2e_s = time.monotonic() - self.arrived
-        metrics.e2e.observe(self.timings.e2e_s)
-        usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(self.generated),
+        if self.all_finished:
+            metrics.e2e.observe(self.timings.e2e_s)
+        usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.generated),
                          cached_prompt_tokens=self.cached_prompt_tokens)
         return pb.GenerateResponse(request_id=self.request_id, chunk=chunk, finish_reason=reason, usage=usage, timings=self.timings)

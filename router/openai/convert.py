@@ -12,6 +12,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from engine.sampling import MAX_N
 from router.openai.errors import invalid
 from router.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.request import ChatPrompt, ChatTurn, Prompt, RouterRequest, SamplingRequest, TextPrompt, TokenPrompt
@@ -59,8 +60,8 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
     prep.request.sampling = _sampling(prep, body, settings)
     return prep
 def _check_unsupported(body) -> None:
-    if body.n is not None and body.n != 1:
-        raise invalid("n", f"only n=1 is supported, got {body.n}" if body.n > 1 else f"must be >= 1, got {body.n}")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise invalid("n", f"must be an integer in [1, {MAX_N}], got {body.n}")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise invalid("echo", "is not supported")
@@ -143,6 +144,7 @@ def _sampling(prep: Prepared, body, settings: RouterSettings) -> SamplingRequest
         repetition_penalty=body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias or {}),
         min_tokens=body.min_tokens or 0,
+        n=body.n,
     )
 
 

@@ -30,8 +30,8 @@ class TokenLogprob:
 class Choice:
     """Accumulates the router's GenerateResponses of one request into OpenAI's choice/usage fields."""
 
-    def __init__(self, prep: Prepared, tokenizer):
-        self.prep, self.tokenizer = prep, tokenizer
+    def __init__(self, prep: Prepared, tokenizer, index: int = 0):
+        self.prep, self.tokenizer, self.index = prep, tokenizer, index
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
@@ -93,10 +93,10 @@ class Choice:
     def response_body(self) -> dict:
         prep = self.prep
         if prep.kind == "chat":
-            choice = {"index": 0, "message": {"role": "assistant", "content": "".join(self.text)}}
+            choice = {"index": self.index, "message": {"role": "assistant", "content": "".join(self.text)}}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": "".join(self.text)}
+            choice = {"index": self.index, "text": "".join(self.text)}
             obj = "text_completion"
         choice["logprobs"] = self.logprobs_object(self.logprobs)
         choice["finish_reason"] = self.finish_reason
@@ -109,10 +109,10 @@ class Choice:
             delta: dict = {"role": "assistant"} if role else {}
             if text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": self.index, "delta": delta}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": self.index, "text": text or ""}
             obj = "text_completion"
         choice["logprobs"] = self.logprobs_object(entries) if entries else None
         choice["finish_reason"] = finish_reason

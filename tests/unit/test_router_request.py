@@ -12,7 +12,7 @@ from engine.sampling import SamplingParams
 from proto.convert import sampling_from_proto, sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.grpc_api import request_from_proto
-from router.progress import Progress
+from router.progress import Progress, SequenceProgress
 from router.request import ChatPrompt, ChatTurn, RouterRequest, SamplingRequest, TextPrompt, TokenPrompt
 from router.validation import Validator
 from tests.unit.test_openai_schema import SETTINGS
@@ -60,6 +60,7 @@ def test_unset_sampling_takes_the_defaults():
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={100: 1})), "sampling.logit_bias"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={5: -101})), "sampling.logit_bias[5]"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=4, min_tokens=5)), "sampling.min_tokens"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(n=17)), "sampling.n"),
 ])
 def test_errors_name_the_grpc_field(request_, field):
     with pytest.raises(InvalidRequestError) as info:
@@ -78,10 +79,20 @@ def test_logits_controls_travel_unchanged_router_to_workers():
 
 
 def test_a_retry_after_streamed_tokens_keeps_min_tokens_counting():
-    state = Progress("r", [1, 2], SamplingParams(max_tokens=8, min_tokens=5), 0.0, 60.0, detok=None)
-    state.generated = [3, 4, 5]
+    state = Progress("r", [1, 2], SamplingParams(max_tokens=8, min_tokens=5), 0.0, 60.0, [SequenceProgress(0, None)])
+    state.sequences[0].generated = [3, 4, 5]
     retry = state.next_attempt()
     assert list(retry.token_ids) == [1, 2, 3, 4, 5]
     assert (retry.sampling.max_tokens, retry.sampling.min_tokens) == (5, 2)
-    state.generated = [3] * 7
+    state.sequences[0].generated = [3] * 7
     assert state.next_attempt().sampling.min_tokens == 0
+
+
+def test_n_travels_router_to_workers_and_a_group_migrates_only_before_its_first_token():
+    params = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=3, n=4))).params
+    assert params.n == 4 and sampling_from_proto(sampling_to_proto(params)) == params
+    assert validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))).params.n == 1  # unset: one sequence
+    state = Progress("r", [1, 2], params, 0.0, 60.0, [SequenceProgress(i, None) for i in range(4)])
+    assert state.can_migrate and state.next_attempt().sampling.n == 4
+    state.sequences[2].generated = [9]
+    assert not state.can_migrate
