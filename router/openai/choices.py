@@ -35,8 +35,9 @@ class Choices:
                 "prompt_tokens_details": {"cached_tokens": max(c.cached_tokens for c in self.choices)}}
 
     def response_body(self) -> dict:
-        body = self.choices[0].response_body()
-        body["choices"] = [c.response_body()["choices"][0] for c in self.choices]
+        bodies = [c.response_body() for c in self.choices]  # once each: completion logprobs advance their text offsets
+        body = bodies[0]
+        body["choices"] = [b["choices"][0] for b in bodies]
         body["usage"] = self.usage()
         return body
 
