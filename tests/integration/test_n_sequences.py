@@ -83,6 +83,9 @@ def test_openai_client_n3_completions_and_streamed_chat(cluster, demo_model, dem
         assert [c.index for c in resp.choices] == [0, 1, 2]
         assert [c.text for c in resp.choices] == [tok.decode(ids, skip_special_tokens=True)] * 3
         assert resp.usage.completion_tokens == 3 * len(ids)
+        sampled = [[c.text for c in client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=5,
+                                                               max_tokens=MAX_NEW).choices] for _ in range(2)]
+        assert sampled[0] == sampled[1] and len(set(sampled[0])) > 1
         stream = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, temperature=0, max_tokens=MAX_NEW,
                                                 stream=True, stream_options={"include_usage": True})
         texts, finishes, usage = {0: "", 1: ""}, {}, None
