@@ -144,3 +144,15 @@ def test_decode_engine_forks_a_received_prompt(demo_model, demo_prompt_ids, hf_g
     assert [out[("r", j)] for j in range(3)] == [hf_greedy(tuple(prompt), MAX_NEW)] * 3
     assert_no_leaked_blocks(prefill)
     assert_no_leaked_blocks(decode)
+
+
+def test_max_num_seqs_counts_the_forks_of_a_group(demo_model, demo_prompt_ids):
+    engine = make_engine(demo_model, max_num_seqs=3)
+    engine.add_request("g", demo_prompt_ids[0], SamplingParams(max_tokens=4, n=3))
+    engine.add_request("other", demo_prompt_ids[1], SamplingParams(max_tokens=4))
+    peak = 0
+    while engine.has_work():
+        engine.step()
+        peak = max(peak, len(engine.scheduler.running))
+    assert peak == 3
+    assert_no_leaked_blocks(engine)
