@@ -156,3 +156,24 @@ def test_max_num_seqs_counts_the_forks_of_a_group(demo_model, demo_prompt_ids):
         peak = max(peak, len(engine.scheduler.running))
     assert peak == 3
     assert_no_leaked_blocks(engine)
+
+
+def test_tensor_parallel_engine_forks_without_any_new_rank_command():
+    """Forks are plain step items (shared block ids, the last prompt block recomputed): the followers
+    need nothing new, and greedy sequences still equal HF through preemption."""
+    from engine.testing.tiny_models import build_tiny_model
+    from tests.unit.test_tensor_parallel import PROMPTS, hf_reference, tp_engine
+
+    model = str(build_tiny_model(arch="qwen2"))
+    prompts = PROMPTS[1:3]
+    engine = tp_engine(model, 2, num_kv_blocks=14)
+    try:
+        for i, ids in enumerate(prompts):
+            engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=20, n=3))
+        out = run_groups(engine)
+        assert engine.stats().num_preemptions > 0, "14 blocks for 6 sequences must preempt"
+        for i, expected in enumerate(hf_reference(model, prompts, 20)):
+            assert [out[(f"r{i}", j)] for j in range(3)] == [expected] * 3
+        assert_no_leaked_blocks(engine)
+    finally:
+        engine.close()
