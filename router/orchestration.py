@@ -30,7 +30,7 @@ from router.admission import Overloaded
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.pool import NoWorkerAvailable, Worker, WorkerPool
-from router.progress import Progress, SequenceProgress
+from router.progress import Progress, SequenceProgress, replayable
 from router.relay import DecodeLost, DecodeRelay, DecodeStream
 from router.settings import RouterSettings
 from router.validation import Validated
@@ -84,7 +84,7 @@ class Orchestrator:
         """`trace`: the request's root span as parent (tracing); None: the attempts' spans start new traces."""
         sequences = [SequenceProgress(i, None if skip_detokenize else IncrementalDetokenizer(
             self.tokenizer, request.prompt_ids, request.stop, min_tokens=request.params.min_tokens)) for i in range(request.params.n)]
-        state = Progress(request_id, request.prompt_ids, request.params, arrived, deadline, sequences, trace=trace or Context())
+        state = Progress(request_id, request.prompt_ids, replayable(request.params), arrived, deadline, sequences, trace=trace or Context())
         budget = RetryBudget(self.config.prefill_retries, self.config.max_migrations)
         failed_prefill: set[str] = set()
         while True:
@@ -114,10 +114,6 @@ class Orchestrator:
     def _migrate(self, decoder: Worker, state: Progress, budget: RetryBudget, exc: DecodeLost) -> bool:
         """D was lost mid-stream: take it out of rotation; True when the request may move to another D."""
         self.pool.mark_failed(decoder)
-        if not state.can_migrate:
-            log.warning("request %s: decode worker %s lost after %d tokens of %d sequences; a group does not migrate once streaming",
-                        state.request_id, decoder.worker_id, state.num_generated, len(state.sequences))
-            return False
         if not budget.migrate():
             return False
         self.metrics.migrations.inc()

@@ -3,14 +3,18 @@
 Created by the orchestrator when a validated request starts; each attempt asks it for the
 `DecodeRequest` that continues from what was already streamed; the relay adds tokens and timings
 to it; `final` turns it into the last `GenerateResponse` of one sequence (usage, per-stage timings).
-A request with n > 1 has one `SequenceProgress` per sequence (its tokens, detokenizer, finish); it
-migrates only while none has streamed a token (the n sequences then restart as one group), since
-sequences that diverged cannot continue as one `DecodeRequest`.
+A request with n > 1 has one `SequenceProgress` per sequence (its tokens, detokenizer, finish).
+Sequences that diverged cannot continue as one `DecodeRequest`, so a group migrates whole: the next
+attempt restarts the n sequences from the prompt with the same seed (`replayable` pins one when the
+client gave none) and the relay drops each sequence's re-produced tokens up to what was already
+streamed (`SequenceProgress.replay`), then streams on; sequences already finished are not streamed
+again. Greedy and seeded sampling reproduce the same tokens; a replay that diverges ends the request.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -32,6 +36,35 @@ class SequenceProgress:
     generated: list[int] = field(default_factory=list)
     finished: bool = False
     last_token_at: float | None = None
+    replayed: int = 0
+    """Tokens of `generated` the current attempt has produced again (a restarted group)."""
+
+    def add(self, token_ids: list[int]) -> None:
+        """Tokens streamed to the client."""
+        self.generated.extend(token_ids)
+        self.replayed = len(self.generated)
+
+    def replay(self, token_ids: list[int]) -> int:
+        """How many leading `token_ids` re-produce tokens already streamed (to drop); ReplayDiverged
+        when the restarted sequence drew other tokens."""
+        count = min(len(token_ids), len(self.generated) - self.replayed)
+        if count <= 0:
+            return 0
+        if token_ids[:count] != self.generated[self.replayed : self.replayed + count]:
+            raise ReplayDiverged(f"sequence {self.index} drew other tokens when its group restarted on another decode worker")
+        self.replayed += count
+        return count
+
+
+class ReplayDiverged(Exception):
+    """A restarted group did not reproduce the tokens already streamed."""
+
+
+def replayable(params: SamplingParams) -> SamplingParams:
+    """A sampled group without a seed gets one, so that a restart (migration) draws the same tokens."""
+    if params.n == 1 or params.greedy or params.seed is not None:
+        return params
+    return dataclasses.replace(params, seed=random.randrange(2**62))
 
 
 @dataclass
@@ -58,17 +91,16 @@ class Progress:
         return sum(len(s.generated) for s in self.sequences)
 
     @property
-    def can_migrate(self) -> bool:
-        """One sequence continues from its tokens; n sequences only restart together, before any token."""
-        return len(self.sequences) == 1 or not self.num_generated
-
-    @property
     def all_finished(self) -> bool:
         return all(s.finished for s in self.sequences)
 
     def next_attempt(self) -> pb.DecodeRequest:
-        """A DecodeRequest that continues from what was already streamed (prompt + generated)."""
-        generated = self.sequences[0].generated  # empty for a group (see can_migrate)
+        """A DecodeRequest that continues from what was already streamed: prompt + generated for one
+        sequence; the prompt again for a group (its sequences replay what they streamed)."""
+        single = len(self.sequences) == 1
+        for seq in self.sequences:
+            seq.replayed = len(seq.generated) if single else 0
+        generated = self.sequences[0].generated if single else []
         done = len(generated)
         remaining = dataclasses.replace(self.params, max_tokens=self.params.max_tokens - done,
                                         min_tokens=max(0, self.params.min_tokens - done))

@@ -20,7 +20,7 @@ import grpc
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.metrics import RouterMetrics
 from router.pool import Worker
-from router.progress import Progress, SequenceProgress
+from router.progress import Progress, ReplayDiverged, SequenceProgress
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
 
@@ -69,7 +69,14 @@ class DecodeRelay:
                 if index >= len(state.sequences) or state.sequences[index].finished:
                     continue  # ended here on a stop string: D's later tokens for it are dropped
                 seq = state.sequences[index]
-                yield self._on_chunk(state, seq, message.chunk) if fin is None else self._on_finished(state, seq, fin)
+                try:
+                    response = self._on_chunk(state, seq, message.chunk) if fin is None else self._on_finished(state, seq, fin)
+                except ReplayDiverged as exc:
+                    yield pb.GenerateResponse(request_id=state.request_id, finish_reason=pb.FINISH_REASON_ERROR,
+                                              error=pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=str(exc)))
+                    return
+                if response is not None:
+                    yield response
                 if state.all_finished:
                     return
         except grpc.aio.AioRpcError as exc:
@@ -98,7 +105,11 @@ class DecodeRelay:
             raise
         return read.result()
 
-    def _on_chunk(self, state: Progress, seq: SequenceProgress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
+    def _on_chunk(self, state: Progress, seq: SequenceProgress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse | None:
+        """The chunk for the client; None when it only replayed tokens already streamed (restarted group)."""
+        skip = seq.replay(list(worker_chunk.token_ids))
+        if skip == len(worker_chunk.token_ids):
+            return None
         now = time.monotonic()
         if state.last_token_at is None:
             state.timings.ttft_s = now - state.arrived
@@ -107,8 +118,8 @@ class DecodeRelay:
         elif seq.last_token_at is not None:
             self.metrics.itl.observe(now - seq.last_token_at)
         state.last_token_at = seq.last_token_at = now
-        chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids, logprobs=worker_chunk.logprobs, index=seq.index)
-        seq.generated.extend(chunk.token_ids)
+        chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids[skip:], logprobs=worker_chunk.logprobs[skip:], index=seq.index)
+        seq.add(list(chunk.token_ids))
         self.metrics.tokens.inc(len(chunk.token_ids))
         if seq.detok is not None:
             step = seq.detok.add(list(chunk.token_ids))

@@ -29,12 +29,13 @@ def cluster(tmp_path_factory):
         yield c
 
 
-def generate_n(address: str, prompt_ids: list[int], n: int, **sampling) -> tuple[dict[int, list[int]], dict[int, pb.GenerateResponse]]:
+def generate_n(address: str, prompt_ids: list[int], n: int, max_tokens: int = MAX_NEW,
+               **sampling) -> tuple[dict[int, list[int]], dict[int, pb.GenerateResponse]]:
     """Each sequence's tokens and last message, by index."""
     tokens: dict[int, list[int]] = {}
     finals: dict[int, pb.GenerateResponse] = {}
     with grpc.insecure_channel(address) as channel:
-        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParams(max_tokens=MAX_NEW, n=n, **sampling))
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt_ids), sampling=pb.SamplingParams(max_tokens=max_tokens, n=n, **sampling))
         for response in pb_grpc.RouterStub(channel).Generate(request, timeout=300):
             index = response.chunk.index
             assert index not in finals, f"sequence {index} streamed after its last message"
@@ -98,4 +99,48 @@ def test_openai_client_n3_completions_and_streamed_chat(cluster, demo_model, dem
     chat_ids = hf_greedy(tuple(encode_chat(tok, CHAT)), MAX_NEW)
     assert texts == {0: tok.decode(chat_ids, skip_special_tokens=True)} | {1: tok.decode(chat_ids, skip_special_tokens=True)}
     assert sorted(finishes) == [0, 1] and usage.completion_tokens == 2 * len(chat_ids)
+    cluster.assert_no_leaked_blocks()
+
+
+@pytest.fixture(scope="module")
+def two_decoders(tmp_path_factory):
+    config = write_config(tmp_path_factory.mktemp("nseq-migrate") / "pdserve.yaml", transport="tcp")
+    with LocalCluster(config, num_prefill=1, num_decode=2, register=True) as c:
+        yield c
+
+
+def test_a_group_migrates_whole_when_its_decode_worker_dies(two_decoders, demo_prompt_ids):
+    """Seeded n=3: killed mid-stream, the group restarts on the other decode worker, replays what it
+    had streamed (dropped by the router) and continues: the client sees what an undisturbed run gives."""
+    import os
+    import signal
+    import threading
+
+    cluster, prompt, max_new = two_decoders, demo_prompt_ids[4], 64
+    sampling = {"temperature": 1.0, "seed": 3, "ignore_eos": True}
+    expected, _ = generate_n(cluster.router.address, prompt, 3, max_new, **sampling)
+    first_token = threading.Event()
+    outcome: dict = {}
+
+    def stream() -> None:
+        tokens: dict[int, list[int]] = {}
+        with grpc.insecure_channel(cluster.router.address) as channel:
+            request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=max_new, n=3, **sampling))
+            for response in pb_grpc.RouterStub(channel).Generate(request, timeout=300):
+                tokens.setdefault(response.chunk.index, []).extend(response.chunk.token_ids)
+                first_token.set()
+                if response.finish_reason:
+                    outcome.setdefault("finishes", []).append(response.finish_reason)
+        outcome["tokens"] = tokens
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    assert first_token.wait(120)
+    victim = max(cluster.decode, key=lambda proc: cluster.worker_stats(proc).running_requests)
+    os.killpg(victim.popen.pid, signal.SIGKILL)
+    victim.popen.wait(10)
+    thread.join(300)
+    assert outcome["finishes"] == [pb.FINISH_REASON_LENGTH] * 3
+    assert outcome["tokens"] == expected
+    assert sum(v for (name, _), v in cluster.metrics().items() if name == "pdserve_migrations_total") >= 1, "nothing migrated"
     cluster.assert_no_leaked_blocks()

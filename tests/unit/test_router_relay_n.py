@@ -1,6 +1,8 @@
 """The relay of a decode stream with n sequences: chunks and finish messages are demultiplexed by
 `index` (one detokenizer each), a sequence ended on a stop string drops D's later tokens, the relay
-ends once every sequence has finished, and an error from D ends them all."""
+ends once every sequence has finished, and an error from D ends them all. A group restarted on
+another decode worker replays: tokens already streamed are dropped (checked), finished sequences
+stay finished, and a replay that diverges ends the request."""
 
 from __future__ import annotations
 
@@ -83,3 +85,22 @@ async def test_an_error_from_the_worker_ends_every_sequence():
     state = group(3)
     out = await relay(state, [chunk(2, "a"), finished(0, pb.FINISH_REASON_ERROR, pb.Error(code=pb.ERROR_CODE_INTERNAL, message="kv"))])
     assert out[-1].finish_reason == pb.FINISH_REASON_ERROR and out[-1].error.message == "kv"
+
+
+async def test_a_restarted_group_drops_what_it_already_streamed():
+    state = group(2)
+    state.sequences[0].generated = [ord("a"), ord("b")]
+    state.sequences[1].generated, state.sequences[1].finished = [ord("x")], True
+    state.next_attempt()
+    out = await relay(state, [chunk(0, "a"), chunk(1, "x"), chunk(0, "b", "c"), finished(1), chunk(0, "d"), finished(0)])
+    assert [(r.chunk.index, list(r.chunk.token_ids), r.finish_reason) for r in out] == [
+        (0, [ord("c")], 0), (0, [ord("d")], 0), (0, [], pb.FINISH_REASON_LENGTH)]
+    assert state.sequences[0].generated == [ord(t) for t in "abcd"] and out[-1].usage.completion_tokens == 4
+
+
+async def test_a_replay_that_diverges_ends_the_request():
+    state = group(2)
+    state.sequences[0].generated = [ord("a")]
+    state.next_attempt()
+    out = await relay(state, [chunk(0, "z")])
+    assert out[-1].finish_reason == pb.FINISH_REASON_ERROR and "drew other tokens" in out[-1].error.message
