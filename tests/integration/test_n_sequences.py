@@ -87,6 +87,9 @@ def test_openai_client_n3_completions_and_streamed_chat(cluster, demo_model, dem
         sampled = [[c.text for c in client.completions.create(model=MODEL, prompt="Once upon a time", n=3, temperature=1.0, seed=5,
                                                                max_tokens=MAX_NEW).choices] for _ in range(2)]
         assert sampled[0] == sampled[1] and len(set(sampled[0])) > 1
+        with pytest.raises(openai.BadRequestError) as refused:  # n x max_tokens beyond the decode worker's KV pool
+            client.completions.create(model=MODEL, prompt="hi", n=16, max_tokens=1000)
+        assert refused.value.body["param"] == "n" and "KV capacity" in refused.value.body["message"]
         stream = client.chat.completions.create(model=MODEL, messages=CHAT, n=2, temperature=0, max_tokens=MAX_NEW,
                                                 stream=True, stream_options={"include_usage": True})
         texts, finishes, usage = {0: "", 1: ""}, {}, None
