@@ -52,7 +52,7 @@ class AsyncEngine:
         if engine.parallel is not None:
             engine.parallel.on_lost = lambda error: self._submit(lambda: self._fatal(error))
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._thread: threading.Thread | None = None
         self._running = False
         self._wakeup = threading.Event()
@@ -117,12 +117,12 @@ class AsyncEngine:
         async for out in self._drain(request_id, stream):
             yield out
 
-    async def generate_remote(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def generate_remote(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         """Stream outputs of a request reserved with `reserve_remote_kv` (stream opened by `open_stream`)."""
         async for out in self._drain(request_id, stream):
             yield out
 
-    def open_stream(self, request_id: str, n: int = 1) -> asyncio.Queue:
+    def open_stream(self, request_id: str, n: int = 1) -> OutputStream:
         """The stream of a reserved request with `n` sequences (it ends when all n have finished)."""
         return self._open_stream(request_id, n)
 
@@ -180,14 +180,14 @@ class AsyncEngine:
         self._wakeup.set()
         return await future
 
-    def _open_stream(self, request_id: str, n: int) -> asyncio.Queue:
+    def _open_stream(self, request_id: str, n: int) -> OutputStream:
         if request_id in self._streams:
             raise EngineError(f"request {request_id!r} already has a stream")
         stream = OutputStream(n)
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         return stream
 
-    async def _drain(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _drain(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         finished = False
         live = stream.sequences
         try:

@@ -108,9 +108,8 @@ class Progress:
         self.attempts += 1
         return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + generated, sampling=sampling_to_proto(remaining))
 
-    def final(self, chunk: pb.TokenChunk, reason: int, metrics: RouterMetrics, seq: SequenceProgress | None = None) -> pb.GenerateResponse:
-        """The last message of `seq` (default: sequence 0); E2E is observed when the last sequence ends."""
-        seq = seq or self.sequences[0]
+    def final(self, chunk: pb.TokenChunk, reason: int, metrics: RouterMetrics, seq: SequenceProgress) -> pb.GenerateResponse:
+        """The last message of `seq`; E2E is observed when the request's last sequence ends."""
         seq.finished = True
         chunk.index = seq.index
         self.timings.e2e_s = time.monotonic() - self.arrived
