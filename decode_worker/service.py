@@ -9,6 +9,8 @@ Life of one `Decode` call (remote prefill):
   4. commit the KV with the first token the trailer carried (and its logprobs): the engine emits that
      token as the first output of the request's stream and the request becomes RUNNING; stream
      chunks from the engine's continuous-batching loop until it finishes.
+With `n` > 1 the one received prompt is forked into n sequences by the engine (sequence 0 starts from
+the trailer's first token); chunks and one `DecodeFinished` per sequence carry its index.
 With `local_prefill` the worker prefills the prompt itself (conditional disaggregation).
 A cancelled call (router gone, deadline) aborts the request on the engine and the receiver.
 A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
@@ -99,7 +101,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await self.engine.abort(request_id)
             raise
         admitted = time.monotonic()
-        stream = self.engine.open_stream(request_id)
+        stream = self.engine.open_stream(request_id, params.n)
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         timeout = request.kv_timeout_s or self.kv_timeout_s
         expected = self._expect(transfer_id, blocks, len(prompt), timeout)
@@ -191,10 +193,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await asyncio.sleep(0.02)
 
     async def _stream(self, request_id, outputs, started, context, timings=None) -> AsyncIterator[pb.DecodeResponse]:
-        """Engine outputs -> chunks, then the finish message."""
-        usage = pb.Usage()
+        """Engine outputs -> chunks, then one finish message per sequence (its usage counts its tokens)."""
+        usages: dict[int, pb.Usage] = {}
         try:
             async for out in outputs:
+                usage = usages.setdefault(out.index, pb.Usage())
                 usage.prompt_tokens = out.num_prompt_tokens or usage.prompt_tokens
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
                 usage.completion_tokens += len(out.new_token_ids)
@@ -204,11 +207,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 if out.finished:
                     t = timings or pb.StageTimings()
                     t.e2e_s = time.monotonic() - started
-                    yield pb.DecodeResponse(
-                        request_id=request_id,
-                        finished=pb.DecodeFinished(finish_reason=finish_reason_to_proto(out.finish_reason), usage=usage, timings=t),
-                    )
-                    return
+                    finished = pb.DecodeFinished(finish_reason=finish_reason_to_proto(out.finish_reason), usage=usage, timings=t, index=out.index)
+                    yield pb.DecodeResponse(request_id=request_id, finished=finished)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -35,6 +35,14 @@ from engine.sampling import SamplingParams
 log = logging.getLogger(__name__)
 
 
+class OutputStream(asyncio.Queue):
+    """One request's outputs; it ends after `sequences` finished outputs (one per sequence of the request)."""
+
+    def __init__(self, sequences: int):
+        super().__init__()
+        self.sequences = sequences
+
+
 class AsyncEngine:
     def __init__(self, engine: Engine, on_fatal: Callable[[Exception], None] | None = None):
         """on_fatal: called when the engine can never step again (a tensor-parallel rank exited), after
@@ -44,7 +52,7 @@ class AsyncEngine:
         if engine.parallel is not None:
             engine.parallel.on_lost = lambda error: self._submit(lambda: self._fatal(error))
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
-        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, OutputStream]] = {}
         self._thread: threading.Thread | None = None
         self._running = False
         self._wakeup = threading.Event()
@@ -98,8 +106,9 @@ class AsyncEngine:
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
     ) -> AsyncIterator[RequestOutput]:
-        """Submit a request and stream its outputs; raises the engine's validation error up front."""
-        stream = self._open_stream(request_id)
+        """Submit a request and stream its outputs (of its n sequences, each output naming its `index`,
+        until every one has finished); raises the engine's validation error up front."""
+        stream = self._open_stream(request_id, 1 if prefill_only else params.n)
         try:
             await self._call(lambda: self._engine.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only))
         except BaseException:
@@ -108,13 +117,14 @@ class AsyncEngine:
         async for out in self._drain(request_id, stream):
             yield out
 
-    async def generate_remote(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def generate_remote(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         """Stream outputs of a request reserved with `reserve_remote_kv` (stream opened by `open_stream`)."""
         async for out in self._drain(request_id, stream):
             yield out
 
-    def open_stream(self, request_id: str) -> asyncio.Queue:
-        return self._open_stream(request_id)
+    def open_stream(self, request_id: str, n: int = 1) -> OutputStream:
+        """The stream of a reserved request with `n` sequences (it ends when all n have finished)."""
+        return self._open_stream(request_id, n)
 
     def close_stream(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
@@ -170,22 +180,24 @@ class AsyncEngine:
         self._wakeup.set()
         return await future
 
-    def _open_stream(self, request_id: str) -> asyncio.Queue:
+    def _open_stream(self, request_id: str, n: int) -> OutputStream:
         if request_id in self._streams:
             raise EngineError(f"request {request_id!r} already has a stream")
-        stream: asyncio.Queue = asyncio.Queue()
+        stream = OutputStream(n)
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         return stream
 
-    async def _drain(self, request_id: str, stream: asyncio.Queue) -> AsyncIterator[RequestOutput]:
+    async def _drain(self, request_id: str, stream: OutputStream) -> AsyncIterator[RequestOutput]:
         finished = False
+        live = stream.sequences
         try:
             while True:
                 item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 yield item
-                if item.finished:
+                live -= item.finished
+                if not live:
                     finished = True
                     return
         finally:

@@ -95,6 +95,13 @@ class BlockManager:
         self._seq_hashes.setdefault(seq.request_id, [])
         return True
 
+    def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
+        """A forked sequence takes references to the parent's first `num_blocks` (full, computed) blocks."""
+        for block in parent.block_ids[:num_blocks]:
+            self._take(block)
+        child.block_ids = parent.block_ids[:num_blocks]
+        self._seq_hashes[child.request_id] = self._seq_hashes.get(parent.request_id, [])[:num_blocks]
+
     def commit_computed(self, seq: Sequence) -> None:
         """Publish the sequence's newly completed full blocks in the prefix cache."""
         if not self.enable_prefix_caching:

@@ -9,6 +9,13 @@ layer during that step to the `KVLayerSink` given at construction, or all at onc
 A decode worker adds requests whose prefill ran elsewhere with `add_remote_request`
 (WAITING_FOR_REMOTE_KV) and makes them runnable with `commit_remote_kv` once the KV sits in their
 blocks; that call returns the request's first output (the token the prefill worker sampled).
+A request with `n` > 1 is a group of n sequences (engine.sequence): sequence 0 runs the prompt (or
+receives its KV); once it is computed, `_fork` gives sequences 1..n-1 references to the prompt's full
+blocks except the last one holding a prompt token. That block is not shared: each fork recomputes
+its 1..block_size prompt tokens in its first step (which also yields the logits it samples its first
+token from), so no block is ever written by two sequences (no copy-on-write needed), the scheduler
+and block manager stay tensor-free, a tensor-parallel engine needs no block-copy command, and a
+decode worker forks a received prompt the same way. Outputs carry the sequence's `index`.
 The engine is single-threaded: use `AsyncEngine` to drive it from asyncio.
 """
 
@@ -41,6 +48,8 @@ log = logging.getLogger(__name__)
 @dataclass
 class RequestOutput:
     request_id: str
+    index: int = 0
+    """Which of the request's n sequences produced this output."""
     new_token_ids: list[int] = field(default_factory=list)
     finished: bool = False
     finish_reason: FinishReason | None = None
@@ -164,20 +173,23 @@ class Engine:
         if seq is None:
             return  # aborted in between
         self.blocks.commit_computed(seq)
+        self._fork(seq)
         if seq.state.finished:
             self._finish(seq)
         else:
             self.scheduler.add_running(seq)
 
     def abort(self, request_id: str) -> None:
-        seq = self._requests.get(request_id)
-        if seq is None:
-            return
-        self.scheduler.remove(seq)
-        seq.state = RequestState.FINISHED_ABORTED
-        self._finish(seq)
-        self._pending_outputs.append(
-            RequestOutput(request_id, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=seq.num_prompt_tokens)
+        """Abort every live sequence of the request (and the forks it has not made yet)."""
+        group = [s for s in self._requests.values() if s.group_id == request_id]
+        indexes = [s.index for s in group] + [i for s in group for i in range(s.index + 1, s.index + 1 + s.forks_pending)]
+        for seq in group:
+            self.scheduler.remove(seq)
+            seq.state = RequestState.FINISHED_ABORTED
+            self._finish(seq)
+        prompt = group[0].num_prompt_tokens if group else 0
+        self._pending_outputs.extend(
+            RequestOutput(request_id, index=i, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=prompt) for i in sorted(indexes)
         )
 
     def prompt_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -223,8 +235,10 @@ class Engine:
         for item in ordered:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)
+        for seq in sampling:
+            self._fork(seq)
         for seq, sample in zip(sampling, samples):
-            out = RequestOutput(seq.request_id, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+            out = RequestOutput(seq.group_id, index=seq.index, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
             self._emit(seq, sample, out)
             if seq.state.finished:
                 self.scheduler.remove(seq)
@@ -274,11 +288,25 @@ class Engine:
             raise InvalidRequestError(
                 "max_tokens", f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the model's context of {self.max_model_len}"
             )
+        capacity = self.blocks.num_blocks * self.blocks.block_size
         if self.blocks.blocks_for_tokens(total) > self.blocks.num_blocks:
-            raise InvalidRequestError(
-                "max_tokens", f"prompt + max_tokens ({total} tokens) exceeds this worker's KV capacity of {self.blocks.num_blocks * self.blocks.block_size} tokens"
-            )
-        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only)
+            raise InvalidRequestError("max_tokens", f"prompt + max_tokens ({total} tokens) exceeds this worker's KV capacity of {capacity} tokens")
+        forks = 0 if prefill_only else params.n - 1
+        if self.blocks.blocks_for_tokens(total) + forks * (self.blocks.blocks_for_tokens(params.max_tokens) + 1) > self.blocks.num_blocks:
+            raise InvalidRequestError("n", f"n ({params.n}) sequences of max_tokens ({params.max_tokens}) after the prompt exceed this worker's KV capacity of {capacity} tokens")
+        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only, forks_pending=forks)
+
+    def _fork(self, seq: Sequence) -> None:
+        """Sequence 0's prompt is computed: start its pending siblings from its full prompt blocks."""
+        if not seq.forks_pending:
+            return
+        shared = (seq.num_prompt_tokens - 1) // self.blocks.block_size
+        for index in range(1, seq.forks_pending + 1):
+            child = seq.fork(index, shared * self.blocks.block_size)
+            self.blocks.share(seq, child, shared)
+            self._requests[child.request_id] = child
+            self.scheduler.add_running(child)
+        seq.forks_pending = 0
 
     def _sink_requests(self, scheduled: list[ScheduledSeq]) -> list[SinkRequest]:
         """The prompts finishing prefill this step whose KV the sink wants layer by layer."""

@@ -82,7 +82,7 @@ class Sampler:
     def _generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.request_id)
         if gen is None:
-            seed = seq.params.seed
+            seed = seq.seed
             if seed is None:
                 seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_source).item())
             gen = self._generators[seq.request_id] = torch.Generator().manual_seed(seed)

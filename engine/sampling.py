@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 from engine.errors import InvalidRequestError
 
+MAX_N = 16
+"""Sequences per request (`n`): each holds its own KV beyond the shared prompt."""
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_LOGIT_BIAS_ENTRIES = 300
@@ -75,6 +77,8 @@ class SamplingParams:
     """EOS (unless ignore_eos) and stop_token_ids cannot be sampled before this many output tokens."""
     structured: StructuredOutput | None = None
     """Only tokens the constraint accepts can be sampled; EOS only where it is complete."""
+    n: int = 1
+    """Sequences to generate from the prompt (computed once, its KV shared); sequence i samples with seed + i."""
 
     def __post_init__(self):
         if isinstance(self.logit_bias, Mapping):
@@ -92,6 +96,8 @@ class SamplingParams:
     def validate(self, vocab_size: int | None = None) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise InvalidRequestError("max_tokens", f"must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise InvalidRequestError("n", f"must be an integer in [1, {MAX_N}], got {self.n!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise InvalidRequestError("temperature", f"must be >= 0, got {self.temperature!r}")
         if not _is_number(self.top_p) or not 0.0 < self.top_p <= 1.0:

@@ -5,7 +5,8 @@ Order of service: running requests first (a decode costs one token; a request in
 chunked prefill takes its next chunk), then waiting requests in arrival order (chunked prefill: a
 long prompt is split across steps when the budget runs out). When the KV pool cannot grow a running
 request, the most recently admitted running request is preempted by recompute: its blocks are
-freed and it goes back to the head of the waiting queue. The scheduler never touches a tensor.
+freed and it goes back to the head of the waiting queue. The sequences a group (`n` > 1) will fork
+count against `max_num_seqs` from its admission. The scheduler never touches a tensor.
 """
 
 from __future__ import annotations
@@ -108,7 +109,7 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         chunked = self.config.enable_chunked_prefill
         admitted_whole = False
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_room_for(self.waiting[0]):
             seq = self.waiting[0]
             n = self.blocks.admit(seq, budget if chunked else seq.num_tokens)
             if n is None:
@@ -125,6 +126,11 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
+
+    def _has_room_for(self, seq: Sequence) -> bool:
+        """`max_num_seqs` counts the sequences groups will fork; a group larger than it runs alone."""
+        forks = sum(s.forks_pending for s in self.running) + seq.forks_pending
+        return not self.running or len(self.running) + 1 + forks <= self.config.max_num_seqs
 
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.blocks.free(seq)

@@ -7,6 +7,10 @@ Lifecycle (RequestState):
   any --abort--> FINISHED_ABORTED
 A prefill-only request (prefill worker) finishes with FINISHED_PREFILLED after its first token
 and keeps its blocks until the KV has been sent (`Engine.release`).
+
+A request with `n` > 1 is a group of n Sequences sharing `group_id` (the request's id); sequence 0
+runs the prompt and, once it is computed, `fork`s sequences 1..n-1 (each its own `request_id`,
+`group_id/index`), which start RUNNING with the prompt's full blocks shared (see `Engine._fork`).
 """
 
 from __future__ import annotations
@@ -62,6 +66,20 @@ class Sequence:
     num_cached_tokens: int = 0
     """Prompt tokens whose KV came from the prefix cache at admission."""
     num_preemptions: int = 0
+    group_id: str = ""
+    """The request this sequence belongs to (its `request_id` when n = 1 or for sequence 0)."""
+    index: int = 0
+    """Which of the request's n sequences this is (the OpenAI choice index)."""
+    forks_pending: int = 0
+    """Sequence 0 of a group: how many siblings it forks once its prompt is computed."""
+
+    def __post_init__(self):
+        self.group_id = self.group_id or self.request_id
+
+    @property
+    def seed(self) -> int | None:
+        """This sequence's sampling seed: the request's seed for sequence 0, seed + index for the others."""
+        return None if self.params.seed is None else self.params.seed + self.index
 
     @property
     def token_ids(self) -> list[int]:
@@ -94,6 +112,13 @@ class Sequence:
 
     def append_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
+
+    def fork(self, index: int, num_computed_tokens: int) -> Sequence:
+        """Sibling `index` of this group's sequence 0, sharing the prompt's first `num_computed_tokens`
+        tokens of KV (the caller shares the blocks); it computes the rest of the prompt itself."""
+        return Sequence(f"{self.group_id}/{index}", list(self.prompt_token_ids), self.params, group_id=self.group_id,
+                        index=index, state=RequestState.RUNNING, num_computed_tokens=num_computed_tokens,
+                        num_cached_tokens=min(self.num_cached_tokens, num_computed_tokens))
 
     def reset_for_recompute(self) -> None:
         """Preempted: drop computed KV; prompt and output so far will be prefilled again."""

@@ -48,6 +48,7 @@ def sampling_from_proto(msg: pb.SamplingParams, field_prefix: str = "sampling") 
         logit_bias=dict(msg.logit_bias),
         min_tokens=msg.min_tokens,
         structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None,
+        n=msg.n or 1,
     )
     try:
         params.validate()
@@ -77,6 +78,7 @@ def sampling_to_proto(params: SamplingParams, stop: list[str] | None = None) -> 
         frequency_penalty=params.frequency_penalty,
         logit_bias=dict(params.logit_bias),
         min_tokens=params.min_tokens,
+        n=params.n,
     )
     if params.repetition_penalty != 1.0:
         msg.repetition_penalty = params.repetition_penalty
@@ -108,7 +110,7 @@ def finish_reason_to_proto(reason: FinishReason | None) -> int:
 def chunk_from_output(out: RequestOutput, skip: int = 0) -> pb.TokenChunk:
     """The output's new tokens (after the first `skip`, already streamed) with their logprobs."""
     tokens = out.new_token_ids[skip:]
-    chunk = pb.TokenChunk(token_ids=tokens)
+    chunk = pb.TokenChunk(token_ids=tokens, index=out.index)
     for token, lp, top in zip(tokens, out.logprobs, out.top_logprobs):
         chunk.logprobs.append(
             pb.Logprob(token_id=token, logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top.items()])

@@ -87,7 +87,7 @@ def _sampling(msg: pb.SamplingParams) -> SamplingRequest:
                            stop_token_ids=list(msg.stop_token_ids), ignore_eos=msg.ignore_eos, logprobs=given("logprobs"),
                            presence_penalty=msg.presence_penalty or None, frequency_penalty=msg.frequency_penalty or None,
                            repetition_penalty=given("repetition_penalty"), logit_bias=dict(msg.logit_bias),
-                           min_tokens=msg.min_tokens,
+                           min_tokens=msg.min_tokens, n=msg.n or None,
                            structured=structured_from_proto(msg.structured_output) if msg.HasField("structured_output") else None)
 
 

@@ -30,7 +30,7 @@ from router.admission import Overloaded
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics
 from router.pool import NoWorkerAvailable, Worker, WorkerPool
-from router.progress import Progress
+from router.progress import Progress, SequenceProgress, replayable
 from router.relay import DecodeLost, DecodeRelay, DecodeStream
 from router.settings import RouterSettings
 from router.validation import Validated
@@ -82,9 +82,9 @@ class Orchestrator:
     async def run(self, request_id: str, request: Validated, skip_detokenize: bool, arrived: float,
                   deadline: float, trace: Context | None = None) -> AsyncIterator[pb.GenerateResponse]:
         """`trace`: the request's root span as parent (tracing); None: the attempts' spans start new traces."""
-        detok = None if skip_detokenize else IncrementalDetokenizer(self.tokenizer, request.prompt_ids, request.stop,
-                                                                    min_tokens=request.params.min_tokens)
-        state = Progress(request_id, request.prompt_ids, request.params, arrived, deadline, detok, trace=trace or Context())
+        sequences = [SequenceProgress(i, None if skip_detokenize else IncrementalDetokenizer(
+            self.tokenizer, request.prompt_ids, request.stop, min_tokens=request.params.min_tokens)) for i in range(request.params.n)]
+        state = Progress(request_id, request.prompt_ids, replayable(request.params), arrived, deadline, sequences, trace=trace or Context())
         budget = RetryBudget(self.config.prefill_retries, self.config.max_migrations)
         failed_prefill: set[str] = set()
         while True:
@@ -118,7 +118,7 @@ class Orchestrator:
             return False
         self.metrics.migrations.inc()
         log.warning("request %s: decode worker %s lost after %d tokens (%s); migrating",
-                    state.request_id, decoder.worker_id, len(state.generated), exc)
+                    state.request_id, decoder.worker_id, state.num_generated, exc)
         return True
 
     async def _attempt(self, state: Progress, budget: RetryBudget, failed_prefill: set[str]) -> Attempt | None:

@@ -1,7 +1,10 @@
 """Relay of one decode worker's `Decode` stream to the client, as `GenerateResponse`s.
 
 `DecodeRelay.relay` reads D's messages one by one (`DecodeStream`), records TTFT / ITL / tokens,
-detokenizes (a stop string ends the request), and shapes the last message from D's `finished`.
+detokenizes (a stop string ends the sequence), and shapes each sequence's last message from D's
+`finished`. With n > 1, D's chunks and finish messages name their sequence (`index`): each has its own
+detokenizer; a sequence the router ended on a stop string drops what D still sends for it, and the
+relay ends (cancelling D's call, which frees the group) once every sequence has finished.
 When D goes away mid-stream (the call fails, ends without finishing, or stays silent while the pool
 has taken D out of rotation) it raises `DecodeLost`, and the orchestrator migrates the request.
 """
@@ -17,7 +20,7 @@ import grpc
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.metrics import RouterMetrics
 from router.pool import Worker
-from router.progress import Progress
+from router.progress import Progress, ReplayDiverged, SequenceProgress
 
 LOST_CODES = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL, grpc.StatusCode.CANCELLED)
 
@@ -56,13 +59,25 @@ class DecodeRelay:
         try:
             while (message := await self.next_message(call, state, decoder)) is not None:
                 event = message.WhichOneof("event")
-                if event == "chunk":
-                    response = self._on_chunk(state, message.chunk)
+                if event not in ("chunk", "finished"):
+                    continue
+                fin = message.finished if event == "finished" else None
+                if fin is not None and fin.HasField("error"):
+                    yield self._on_finished(state, state.sequences[0], fin)  # a failed call ends every sequence
+                    return
+                index = message.chunk.index if fin is None else fin.index
+                if index >= len(state.sequences) or state.sequences[index].finished:
+                    continue  # ended here on a stop string: D's later tokens for it are dropped
+                seq = state.sequences[index]
+                try:
+                    response = self._on_chunk(state, seq, message.chunk) if fin is None else self._on_finished(state, seq, fin)
+                except ReplayDiverged as exc:
+                    yield pb.GenerateResponse(request_id=state.request_id, finish_reason=pb.FINISH_REASON_ERROR,
+                                              error=pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=str(exc)))
+                    return
+                if response is not None:
                     yield response
-                    if response.finish_reason:
-                        return
-                elif event == "finished":
-                    yield self._on_finished(state, message.finished)
+                if state.all_finished:
                     return
         except grpc.aio.AioRpcError as exc:
             if exc.code() in LOST_CODES:
@@ -90,29 +105,33 @@ class DecodeRelay:
             raise
         return read.result()
 
-    def _on_chunk(self, state: Progress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse:
+    def _on_chunk(self, state: Progress, seq: SequenceProgress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse | None:
+        """The chunk for the client; None when it only replayed tokens already streamed (restarted group)."""
+        skip = seq.replay(list(worker_chunk.token_ids))
+        if skip == len(worker_chunk.token_ids):
+            return None
         now = time.monotonic()
         if state.last_token_at is None:
             state.timings.ttft_s = now - state.arrived
             self.metrics.ttft.observe(state.timings.ttft_s)
             self.metrics.observe_stages(state.timings)
-        else:
-            self.metrics.itl.observe(now - state.last_token_at)
-        state.last_token_at = now
-        chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids, logprobs=worker_chunk.logprobs)
-        state.generated.extend(chunk.token_ids)
+        elif seq.last_token_at is not None:
+            self.metrics.itl.observe(now - seq.last_token_at)
+        state.last_token_at = seq.last_token_at = now
+        chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids[skip:], logprobs=worker_chunk.logprobs[skip:], index=seq.index)
+        seq.add(list(chunk.token_ids))
         self.metrics.tokens.inc(len(chunk.token_ids))
-        if state.detok is not None:
-            step = state.detok.add(list(chunk.token_ids))
+        if seq.detok is not None:
+            step = seq.detok.add(list(chunk.token_ids))
             chunk.text = step.text
             if step.stopped:
-                return state.final(chunk, pb.FINISH_REASON_STOP, self.metrics)
+                return state.final(chunk, pb.FINISH_REASON_STOP, self.metrics, seq)
         return pb.GenerateResponse(request_id=state.request_id, chunk=chunk)
 
-    def _on_finished(self, state: Progress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
+    def _on_finished(self, state: Progress, seq: SequenceProgress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
         state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
-        tail = pb.TokenChunk(text=state.detok.finish().text) if state.detok is not None else pb.TokenChunk()
-        response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics)
+        tail = pb.TokenChunk(text=seq.detok.finish().text) if seq.detok is not None else pb.TokenChunk()
+        response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics, seq)
         if fin.HasField("error"):
             response.error.CopyFrom(fin.error)
         return response

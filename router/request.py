@@ -17,7 +17,7 @@ from engine.sampling import SamplingParams, StructuredOutput
 
 DEFAULTS = SamplingParams(temperature=1.0)
 """What an unset sampling field means (max_tokens aside: the router fills it from the context)."""
-_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_OPTIONAL = ("temperature", "top_p", "top_k", "seed", "logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty", "n")
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,8 @@ class SamplingRequest:
     logit_bias: dict[int, float] = field(default_factory=dict)
     min_tokens: int = 0
     structured: StructuredOutput | None = None
+    n: int | None = None
+    """Sequences to generate (None: 1)."""
 
     def check_finite(self) -> None:
         """NaN passes every range check (all comparisons are false) and would poison the sampler."""

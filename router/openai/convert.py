@@ -13,6 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from engine.sampling import MAX_N
 from router.openai.errors import invalid
 from router.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.openai.structured import ToolPlan, response_constraint, tool_plan
@@ -76,8 +77,8 @@ def _constraint(prep: Prepared, body, plan: ToolPlan | None):
         constraint, prep.structured_param = plan.constraint, "tool_choice"
     return constraint
 def _check_unsupported(body) -> None:
-    if body.n is not None and body.n != 1:
-        raise invalid("n", f"only n=1 is supported, got {body.n}" if body.n > 1 else f"must be >= 1, got {body.n}")
+    if body.n is not None and not 1 <= body.n <= MAX_N:
+        raise invalid("n", f"must be an integer in [1, {MAX_N}], got {body.n}")
     if isinstance(body, CompletionRequest):
         if body.echo:
             raise invalid("echo", "is not supported")
@@ -173,6 +174,7 @@ def _sampling(prep: Prepared, body, settings: RouterSettings) -> SamplingRequest
         repetition_penalty=body.repetition_penalty,
         logit_bias=_logit_bias(body.logit_bias or {}),
         min_tokens=body.min_tokens or 0,
+        n=body.n,
     )
 
 

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, REPETITION_PENALTY_RANGE
+from engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, REPETITION_PENALTY_RANGE
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's chat roles -> the router's."""
@@ -60,7 +60,7 @@ class _CommonRequest(_Strict):
     max_tokens: PositiveInt | None = None
     temperature: Annotated[float, Field(ge=0, le=2)] | None = None
     top_p: Annotated[float, Field(gt=0, le=1)] | None = None
-    n: int | None = _documented(minimum=1, maximum=1)
+    n: int | None = _documented(minimum=1, maximum=MAX_N)
     seed: Annotated[int, Field(ge=0, le=2**64 - 1)] | None = None
     stop: str | list[str] | None = None
     stream: bool | None = False

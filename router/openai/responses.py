@@ -32,8 +32,8 @@ class TokenLogprob:
 class Choice:
     """Accumulates the router's GenerateResponses of one request into OpenAI's choice/usage fields."""
 
-    def __init__(self, prep: Prepared, tokenizer):
-        self.prep, self.tokenizer = prep, tokenizer
+    def __init__(self, prep: Prepared, tokenizer, index: int = 0):
+        self.prep, self.tokenizer, self.index = prep, tokenizer, index
         self.prompt_tokens = self.completion_tokens = self.cached_tokens = 0
         self.text: list[str] = []
         self.logprobs: list[TokenLogprob] = []
@@ -99,10 +99,10 @@ class Choice:
     def response_body(self) -> dict:
         prep = self.prep
         if prep.kind == "chat":
-            choice = {"index": 0, "message": self._message()}
+            choice = {"index": self.index, "message": self._message()}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": "".join(self.text)}
+            choice = {"index": self.index, "text": "".join(self.text)}
             obj = "text_completion"
         choice["logprobs"] = self.logprobs_object(self.logprobs)
         choice["finish_reason"] = self.finish_reason
@@ -117,10 +117,10 @@ class Choice:
                 delta.update(self._tool_delta(text or "", finish_reason))
             elif text is not None:
                 delta["content"] = text
-            choice = {"index": 0, "delta": delta}
+            choice = {"index": self.index, "delta": delta}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": self.index, "text": text or ""}
             obj = "text_completion"
         choice["logprobs"] = self.logprobs_object(entries) if entries else None
         choice["finish_reason"] = finish_reason

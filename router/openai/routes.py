@@ -31,10 +31,11 @@ from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded, Unavailable
 from router.openai.body import parse_body, read_body
+from router.openai.choices import Choices
 from router.openai.convert import param_from_service, prepare
 from router.openai.errors import OpenAIError, install_handlers, invalid, server_error
 from router.openai.protocol import REQUEST_SCHEMAS, ChatCompletionRequest, CompletionRequest
-from router.openai.responses import Choice, sse
+from router.openai.responses import sse
 from router.service import RouterService
 
 log = logging.getLogger(__name__)
@@ -126,7 +127,7 @@ class OpenAIRoutes:
             if isinstance(exc, TemplateError):  # the chat template refused the conversation
                 raise invalid("messages", f"the model's chat template rejected the messages: {exc}") from None
             raise
-        choice = Choice(prep, self.service.tokenizer)
+        choice = Choices(prep, self.service.tokenizer)
         headers = {"X-Request-Id": prep.request.request_id}
         if prep.stream:
             events = self._events(stream, first, choice)
@@ -141,40 +142,43 @@ class OpenAIRoutes:
             await stream.aclose()
         return JSONResponse(body, headers=headers)
 
-    async def _collect(self, stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, choice: Choice) -> dict:
+    async def _collect(self, stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse, choices: Choices) -> dict:
         response: pb.GenerateResponse | None = first
         while response is not None:
-            choice.absorb(response)
-            if response.finish_reason:
-                return choice.response_body()
+            choices.absorb(response)
+            if choices.finished:
+                return choices.response_body()
             response = await anext(stream, None)
         raise server_error(500, "generation ended without a finish reason")
 
     async def _events(self, stream: AsyncIterator[pb.GenerateResponse], first: pb.GenerateResponse,
-                      choice: Choice) -> AsyncIterator[str]:
-        """SSE body. Closing this generator (client gone) closes `stream`, which cancels the work."""
+                      choices: Choices) -> AsyncIterator[str]:
+        """SSE body (the n choices' chunks interleaved, each with its index). Closing this generator
+        (client gone) closes `stream`, which cancels the work."""
+        prep = choices.prep
         try:
-            if choice.prep.kind == "chat":
-                yield sse(choice.chunk("", [], None, role=True))
+            if prep.kind == "chat":
+                for choice in choices.choices:
+                    yield sse(choice.chunk("", [], None, role=True))
             response: pb.GenerateResponse | None = first
             while response is not None:
                 try:
-                    text, entries = choice.absorb(response)
+                    choice, text, entries = choices.absorb(response)
                 except OpenAIError as exc:
                     yield sse(exc.body())
                     break
                 if text or entries or response.finish_reason:
-                    yield sse(choice.chunk(text if text or choice.prep.kind != "chat" else None, entries, choice.finish_reason))
-                if response.finish_reason:
-                    if choice.prep.include_usage:
-                        yield sse(choice.usage_chunk())
+                    yield sse(choice.chunk(text if text or prep.kind != "chat" else None, entries, choice.finish_reason))
+                if choices.finished:
+                    if prep.include_usage:
+                        yield sse(choices.usage_chunk())
                     break
                 response = await anext(stream, None)
             else:
                 yield sse(server_error(500, "generation ended without a finish reason").body())
             yield sse("[DONE]")
         except Exception:  # not CancelledError: that means the client is gone
-            log.exception("request %s: streaming failed", choice.prep.id)
+            log.exception("request %s: streaming failed", prep.id)
             yield sse(server_error(500, "internal error while streaming").body())
             yield sse("[DONE]")
         finally:

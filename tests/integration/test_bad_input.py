@@ -178,9 +178,9 @@ KINDS: list[Kind] = [
          http=(Http(COMPLETIONS, completion(), None, "bytes", status=413, declared_length=MAX_BODY_BYTES + 1),),
          grpc=(Grpc(gen("x" * GRPC_MAX_MESSAGE), None, code=EXHAUSTED, text="larger than max"),)),
     # ---- ranges
-    Kind("n-greater-than-1",
-         http=(Http(CHAT, chat(n=2), "n", "n=1"), Http(COMPLETIONS, completion(n=0), "n", ">= 1")),
-         not_grpc="GenerateRequest has no `n`: one sequence per request"),
+    Kind("n-out-of-range",
+         http=(Http(CHAT, chat(n=17), "n", "[1, 16]"), Http(COMPLETIONS, completion(n=0), "n", "[1, 16]")),
+         grpc=(Grpc(gen(n=17), "sampling.n", text="[1, 16]"),)),
     Kind("best-of",
          http=(Http(COMPLETIONS, completion(best_of=3), "best_of", "best_of=1"),),
          not_grpc="no `best_of` field"),

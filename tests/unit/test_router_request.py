@@ -3,6 +3,7 @@ validation reads it (unset fields take the defaults, errors name the gRPC field)
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -12,7 +13,7 @@ from engine.sampling import SamplingParams
 from proto.convert import sampling_from_proto, sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.grpc_api import request_from_proto
-from router.progress import Progress
+from router.progress import Progress, SequenceProgress, replayable
 from router.request import ChatPrompt, ChatTurn, RouterRequest, SamplingRequest, TextPrompt, TokenPrompt
 from router.validation import Validator
 from tests.unit.test_openai_schema import SETTINGS
@@ -60,6 +61,7 @@ def test_unset_sampling_takes_the_defaults():
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={100: 1})), "sampling.logit_bias"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={5: -101})), "sampling.logit_bias[5]"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=4, min_tokens=5)), "sampling.min_tokens"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(n=17)), "sampling.n"),
 ])
 def test_errors_name_the_grpc_field(request_, field):
     with pytest.raises(InvalidRequestError) as info:
@@ -78,10 +80,26 @@ def test_logits_controls_travel_unchanged_router_to_workers():
 
 
 def test_a_retry_after_streamed_tokens_keeps_min_tokens_counting():
-    state = Progress("r", [1, 2], SamplingParams(max_tokens=8, min_tokens=5), 0.0, 60.0, detok=None)
-    state.generated = [3, 4, 5]
+    state = Progress("r", [1, 2], SamplingParams(max_tokens=8, min_tokens=5), 0.0, 60.0, [SequenceProgress(0, None)])
+    state.sequences[0].generated = [3, 4, 5]
     retry = state.next_attempt()
     assert list(retry.token_ids) == [1, 2, 3, 4, 5]
     assert (retry.sampling.max_tokens, retry.sampling.min_tokens) == (5, 2)
-    state.generated = [3] * 7
+    state.sequences[0].generated = [3] * 7
     assert state.next_attempt().sampling.min_tokens == 0
+
+
+def test_n_travels_router_to_workers_and_a_group_restarts_whole_with_a_pinned_seed():
+    params = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=3, n=4))).params
+    assert params.n == 4 and sampling_from_proto(sampling_to_proto(params)) == params
+    assert validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))).params.n == 1  # unset: one sequence
+    assert params.seed is None and replayable(params).seed is not None  # sampled group: a seed so a restart replays
+    greedy = dataclasses.replace(params, temperature=0.0)
+    assert replayable(greedy) is greedy and replayable(dataclasses.replace(params, n=1)).seed is None
+    state = Progress("r", [1, 2], replayable(params), 0.0, 60.0, [SequenceProgress(i, None) for i in range(4)])
+    state.next_attempt()
+    state.sequences[2].generated = [9, 8]
+    retry = state.next_attempt()
+    assert list(retry.token_ids) == [1, 2] and retry.sampling.n == 4 and retry.sampling.max_tokens == 3
+    assert retry.sampling.seed == state.params.seed
+    assert state.sequences[2].replay([9]) == 1 and state.sequences[2].replay([8, 7]) == 1 and state.sequences[2].replay([6]) == 0

@@ -12,7 +12,7 @@ import pytest
 from engine.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.metrics import RouterMetrics
-from router.progress import Progress
+from router.progress import Progress, SequenceProgress
 from router.relay import DecodeLost, DecodeRelay, DecodeStream
 
 STALL_S = 0.2
@@ -40,7 +40,7 @@ def service() -> DecodeRelay:
 
 
 def streaming_state() -> Progress:
-    state = Progress("r", [1, 2], SamplingParams(max_tokens=8), time.monotonic(), time.monotonic() + 60, detok=None)
+    state = Progress("r", [1, 2], SamplingParams(max_tokens=8), time.monotonic(), time.monotonic() + 60, [SequenceProgress(0, None)])
     state.last_token_at = time.monotonic()  # tokens already flow
     return state
 
