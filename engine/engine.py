@@ -58,6 +58,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    first_step_at: float | None = None
+    """time.monotonic() when the sequence's first step began: its queue time ends, its compute starts."""
 
 
 @dataclass
@@ -219,7 +221,7 @@ class Engine:
         self.counters.preemptions += len(plan.preempted)
         if plan.empty:
             return outputs
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.monotonic()
         self._apply_num_threads()
         items = [s.step_item() for s in plan.scheduled]
         sends = self._sink_requests(plan.scheduled)
@@ -233,12 +235,14 @@ class Engine:
         samples = self.sampler.sample(logits, sampling)
         self.counters.record(ordered, len(sampling), time.perf_counter() - started)
         for item in ordered:
+            item.seq.first_step_at = item.seq.first_step_at or began
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)
         for seq in sampling:
             self._fork(seq)
         for seq, sample in zip(sampling, samples):
-            out = RequestOutput(seq.group_id, index=seq.index, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+            out = RequestOutput(seq.group_id, index=seq.index, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                first_step_at=seq.first_step_at)
             self._emit(seq, sample, out)
             if seq.state.finished:
                 self.scheduler.remove(seq)

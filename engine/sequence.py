@@ -72,6 +72,8 @@ class Sequence:
     """Which of the request's n sequences this is (the OpenAI choice index)."""
     forks_pending: int = 0
     """Sequence 0 of a group: how many siblings it forks once its prompt is computed."""
+    first_step_at: float | None = None
+    """time.monotonic() when the first step that computed any of its tokens began (queue time ends there)."""
 
     def __post_init__(self):
         self.group_id = self.group_id or self.request_id

@@ -40,7 +40,7 @@ from kvtransfer.pieces import Destination, PieceSend
 from kvtransfer.sharding import IncompatibleLayouts, check_compatible
 from prefill_worker.ranks import FollowerSends
 from prefill_worker.streamer import LayerStreamer
-from proto.convert import chunk_from_output, sampling_or_abort, worker_stats
+from proto.convert import chunk_from_output, prefill_timings, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -73,6 +73,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def _prefill(self, request_id: str, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
                        call_span: Span) -> pb.PrefillResponse:
+        received = time.monotonic()
         params = await sampling_or_abort(request.sampling, context)
         dest = request.kv_destination if request.HasField("kv_destination") else None
         refusal = dest is not None and layout_refusal(dest, self.fingerprint, self.engine.tensor_parallel_size,
@@ -80,7 +81,6 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         await self.gate.enter(context)
-        received = time.monotonic()
         transfer = kv_span = None
         try:
             timeout = request.kv_ack_timeout_s or self.ack_timeout_s
@@ -107,7 +107,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 prompt_tokens=len(request.token_ids),
                 cached_prompt_tokens=first_out.num_cached_tokens,
                 kv_bytes_sent=sent if transfer is not None else 0,
-                timings=pb.StageTimings(prefill_compute_s=computed - received, kv_transfer_s=done - computed),
+                timings=prefill_timings(received, first_out, computed, kv_transfer_s=done - computed),
             )
         except KVTransferError as exc:
             log.warning("request %s: KV transfer failed: %s", request_id, exc)

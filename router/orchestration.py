@@ -153,6 +153,7 @@ class Orchestrator:
         decoder = self.pool.pick("decode", prompt_ids)
         local = self._prefill_locally(prompt_ids)
         request.local_prefill = local
+        state.started_attempt()
         with span("decode.admit", state.trace, SpanKind.CLIENT, worker_id=decoder.worker_id, attempt=state.attempts, local_prefill=local):
             call = DecodeStream(decoder.stub.Decode(request, timeout=state.remaining(), metadata=outgoing_metadata(state.trace)))
             try:
@@ -169,7 +170,7 @@ class Orchestrator:
         if local or first.WhichOneof("event") != "admission":
             call.push_back(first)
             return Attempt(decoder, call, None)
-        state.timings.decode_admission_s = first.admission.admission_wait_s
+        state.worker_stages(pb.StageTimings(decode_admission_s=first.admission.admission_wait_s))
         prefill = await self._prefill(request, first.admission, call, failed_prefill, state)
         return Attempt(decoder, call, prefill)
 
@@ -201,10 +202,7 @@ class Orchestrator:
             finally:
                 prefiller.in_flight -= 1
             annotate(current, kv_bytes=response.kv_bytes_sent, cached_prompt_tokens=response.cached_prompt_tokens)
-        pt = response.timings
-        state.timings.prefill_queue_s = pt.prefill_queue_s
-        state.timings.prefill_compute_s = pt.prefill_compute_s
-        state.timings.kv_transfer_s = pt.kv_transfer_s
+        state.worker_stages(response.timings, prefill_done=True)
         return response
 
     def _prefill_locally(self, prompt_ids: list[int]) -> bool:

@@ -156,7 +156,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("router_queue_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "decode_admission_s", "ttft_s", "e2e_s")
+    __slots__ = ("router_queue_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "decode_admission_s", "ttft_s", "e2e_s", "first_token_s", "decode_s", "other_s", "local_prefill")
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +164,10 @@ class StageTimings(_message.Message):
     DECODE_ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
+    DECODE_S_FIELD_NUMBER: _ClassVar[int]
+    OTHER_S_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
     router_queue_s: float
     prefill_queue_s: float
     prefill_compute_s: float
@@ -171,7 +175,11 @@ class StageTimings(_message.Message):
     decode_admission_s: float
     ttft_s: float
     e2e_s: float
-    def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    first_token_s: float
+    decode_s: float
+    other_s: float
+    local_prefill: bool
+    def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., other_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
