@@ -12,7 +12,11 @@ Life of one `Prefill` call:
      without a streamer: all layers after the step);
   3. the step samples the first token; the trailers (first token, its logprobs when asked, checksum)
      close the transfers and every decode rank's acknowledgement comes back (the followers' too);
-  4. the request's blocks are released (they stay in the prefix cache) and the first token returned.
+  4. the first token is returned; the request's blocks are released (they stay in the prefix cache)
+     meanwhile, on the engine's thread between two steps, so that the answer does not wait for a step.
+The answer's `StageTimings` splits the call's time here: prefill_queue (call received -> the
+prompt's first engine step), prefill_compute (-> first token sampled), kv_transfer (-> every decode
+rank acknowledged: the transfer time exposed after the forward).
 Any failure aborts the transfer (the receiver frees its blocks) and fails the call.
 Tracing: the call is the span `prefill` (under the router's `prefill`, from the call's metadata) and
 the transfer, from begin to D's acknowledgement, its child `kv.send` (docs/observability.md).
@@ -63,6 +67,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.kv_bytes_sent = 0
         """KV bytes every rank delivered (acknowledged transfers)."""
         self.gate = CallGate("prefill")
+        self._releases: set[asyncio.Task] = set()
+        """Releases of finished prompts still in flight: the answer does not wait for the engine's next step."""
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         request_id = request.request_id or uuid.uuid4().hex
@@ -124,7 +130,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 self.followers.abort(request_id, "prefill failed or was cancelled")
             if kv_span is not None:
                 kv_span.end()
-            await self.engine.release(request_id)
+            release = asyncio.ensure_future(self.engine.release(request_id))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
 
     def _begin(self, request_id: str, dest: pb.KVDestination, num_tokens: int, timeout: float) -> PieceSend:
         """Open this worker's pieces of the prompt's KV (rank 0's here, the followers' on their ranks)."""
@@ -160,6 +168,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()
+        if self._releases:
+            await asyncio.wait(list(self._releases))
 
 
 def layout_refusal(dest: pb.KVDestination, fingerprint: str, tp: int, num_kv_heads: int) -> str | None:

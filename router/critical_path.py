@@ -44,6 +44,12 @@ def stages_of(timings: pb.StageTimings) -> dict[str, float]:
     return {s: getattr(timings, f"{s}_s") for s in STAGES}
 
 
+def critical_path_json(timings: pb.StageTimings) -> dict:
+    """The OpenAI extension's object: every stage in seconds (`<stage>_s`), ttft_s, e2e_s, local_prefill."""
+    return {**{f"{s}_s": v for s, v in stages_of(timings).items()}, "ttft_s": timings.ttft_s, "e2e_s": timings.e2e_s,
+            "local_prefill": timings.local_prefill}
+
+
 @dataclass(frozen=True)
 class RequestPath:
     finished_at: float

@@ -81,6 +81,8 @@ class _CommonRequest(_Strict):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    critical_path: bool | None = None
+    """pdserve extension: true adds the request's critical path (per-stage seconds) to the answer."""
 
 
 class CompletionRequest(_CommonRequest):

@@ -10,6 +10,7 @@ its own window: short prompts one at a time (the split's transfer and extra hop 
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import threading
 import time
 
@@ -114,4 +115,23 @@ def test_verdict_long_prompts_against_decodes_pays(cluster, demo_prompt_ids):
     assert verdict["verdict"] == "pays", verdict
     assert verdict["deciding_stage"] in ("decode", "prefill_compute")
     assert "PAYS" in format_critical_path(report)[-1]
+    cluster.assert_no_leaked_blocks()
+
+
+def test_openai_critical_path_extension(cluster):
+    url = cluster.http_url + "/v1/completions"
+    body = {"prompt": "The capital of France is", "max_tokens": 6, "temperature": 0}
+    plain = requests.post(url, json=body, timeout=120).json()
+    assert "critical_path" not in plain and plain["choices"][0]["finish_reason"] in ("stop", "length")
+    answer = requests.post(url, json={**body, "critical_path": True}, timeout=120).json()
+    path = answer["critical_path"]
+    assert answer["choices"][0]["text"] == plain["choices"][0]["text"]
+    assert abs(sum(path[f"{s}_s"] for s in STAGES) - path["e2e_s"]) < 1e-6 and path["prefill_compute_s"] > 0
+    assert path["local_prefill"] is True  # 5 prompt tokens, under the threshold
+    with requests.post(url, json={**body, "critical_path": True, "stream": True}, timeout=120, stream=True) as response:
+        events = [line[6:] for line in response.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert ["critical_path" in c for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    assert chunks[-1]["critical_path"]["e2e_s"] >= chunks[-1]["critical_path"]["decode_s"] > 0
     cluster.assert_no_leaked_blocks()
