@@ -140,7 +140,7 @@ class Progress:
         if self.all_finished:
             metrics.e2e.observe(self.timings.e2e_s)
             if reason != pb.FINISH_REASON_ERROR:  # a failed request's path is no measure of the split
-                metrics.observe_path(self.timings, self.num_generated)
+                metrics.observe_path(self.timings, len(seq.generated))  # decode_s is this sequence's
         usage = pb.Usage(prompt_tokens=len(self.prompt_ids), completion_tokens=len(seq.generated),
                          cached_prompt_tokens=self.cached_prompt_tokens)
         return pb.GenerateResponse(request_id=self.request_id, chunk=chunk, finish_reason=reason, usage=usage, timings=self.timings)
