@@ -79,13 +79,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         with server_span("decode", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids),
-                         local_prefill=request.local_prefill) as call_span:
+                         local_prefill=request.local_prefill, priority=request.priority) as call_span:
             params = await sampling_or_abort(request.sampling, context)
             await self.gate.enter(context)
             try:
                 if request.local_prefill:
-                    responses = self._stream(request_id, self.engine.generate(request_id, list(request.token_ids), params),
-                                             time.monotonic(), context, pb.StageTimings(local_prefill=True))
+                    generated = self.engine.generate(request_id, list(request.token_ids), params, priority=request.priority)
+                    responses = self._stream(request_id, generated, time.monotonic(), context, pb.StageTimings(local_prefill=True))
                 else:
                     responses = self._remote(request_id, request, params, context, call_span)
                 async for response in responses:
@@ -99,7 +99,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         started = time.monotonic()
         prompt = list(request.token_ids)
         try:
-            blocks = await self._reserve(request_id, prompt, params, context)
+            blocks = await self._reserve(request_id, prompt, params, request.priority, context)
         except asyncio.CancelledError:  # the reservation may land after the cancel: undo it
             await self.engine.abort(request_id)
             raise
@@ -182,11 +182,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             expected.exception()  # retrieved: the outcome was logged where it happened
         await self.engine.abort(request_id)
 
-    async def _reserve(self, request_id, prompt, params, context) -> list[int]:
+    async def _reserve(self, request_id, prompt, params, priority, context) -> list[int]:
         deadline = time.monotonic() + self.admission_timeout_s
         while True:
             try:
-                blocks = await self.engine.reserve_remote_kv(request_id, prompt, params)
+                blocks = await self.engine.reserve_remote_kv(request_id, prompt, params, priority)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if blocks is not None:

@@ -39,7 +39,7 @@ from engine.runtime import build_runtime
 from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, RequestState, Sequence
+from engine.sequence import FinishReason, RequestState, Sequence, check_priority
 from engine.structured import GrammarCache, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -125,7 +125,7 @@ class Engine:
         num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill),
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.kv_policy),
             self.blocks,
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -138,20 +138,20 @@ class Engine:
 
     # ---- request intake ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0
     ) -> None:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        """`priority`: higher is admitted first and preempted last (engine.sequence.PRIORITY_RANGE)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, priority)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           priority: int = 0) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
-        Returns the block ids to write into, or None when the pool has no room now (backpressure)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only=False)
-        if not self.blocks.grow(seq, seq.num_prompt_tokens + 1):
-            seq.block_ids = []
+        Returns the block ids to write into, or None when the pool (or the KV policy) has no room now (backpressure)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False, priority)
+        if not self.scheduler.reserve_remote(seq):
             return None
-        seq.state = RequestState.WAITING_FOR_REMOTE_KV
         self._requests[request_id] = seq
         return list(seq.block_ids)
 
@@ -177,6 +177,7 @@ class Engine:
         self.blocks.commit_computed(seq)
         self._fork(seq)
         if seq.state.finished:
+            self.scheduler.remove(seq)
             self._finish(seq)
         else:
             self.scheduler.add_running(seq)
@@ -277,7 +278,7 @@ class Engine:
         if n and torch.get_num_threads() != n:
             torch.set_num_threads(n)
 
-    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, priority: int) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in the engine")
         if not prompt:
@@ -285,6 +286,7 @@ class Engine:
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt):
             raise InvalidRequestError("prompt_token_ids", f"every id must be an integer in [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        check_priority(priority)
         if params.structured is not None:
             self.sampler.structured.check(params.structured)
         total = len(prompt) + (1 if prefill_only else params.max_tokens)
@@ -298,7 +300,7 @@ class Engine:
         forks = 0 if prefill_only else params.n - 1
         if self.blocks.blocks_for_tokens(total) + forks * (self.blocks.blocks_for_tokens(params.max_tokens) + 1) > self.blocks.num_blocks:
             raise InvalidRequestError("n", f"n ({params.n}) sequences of max_tokens ({params.max_tokens}) after the prompt exceed this worker's KV capacity of {capacity} tokens")
-        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only, forks_pending=forks)
+        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only, forks_pending=forks, priority=priority)
 
     def _fork(self, seq: Sequence) -> None:
         """Sequence 0's prompt is computed: start its pending siblings from its full prompt blocks."""

@@ -72,7 +72,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         request_id = request.request_id or uuid.uuid4().hex
-        with server_span("prefill", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids)) as call_span:
+        with server_span("prefill", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids),
+                         priority=request.priority) as call_span:
             response = await self._prefill(request_id, request, context, call_span)
             annotate(call_span, cached_prompt_tokens=response.cached_prompt_tokens, kv_bytes=response.kv_bytes_sent)
             return response
@@ -95,7 +96,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
                                      transport=dest.endpoint.transport, destination=f"{dest.endpoint.host}:{dest.endpoint.port}",
                                      decode_ranks=len(dest.rank_endpoints) or 1)
-            first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
+            first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, request.priority, context)
             computed = time.monotonic()
             call_span.add_event("first token sampled")
             if transfer is not None:
@@ -146,9 +147,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             self.streamer.track(request_id, transfer)
         return transfer
 
-    async def _run_prefill(self, request_id, prompt, params, context):
+    async def _run_prefill(self, request_id, prompt, params, priority, context):
         try:
-            async for out in self.engine.generate(request_id, prompt, params, prefill_only=True):
+            async for out in self.engine.generate(request_id, prompt, params, prefill_only=True, priority=priority):
                 if out.new_token_ids:
                     return out.new_token_ids[0], out
         except InvalidRequestError as exc:

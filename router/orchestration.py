@@ -84,7 +84,8 @@ class Orchestrator:
         """`trace`: the request's root span as parent (tracing); None: the attempts' spans start new traces."""
         sequences = [SequenceProgress(i, None if skip_detokenize else IncrementalDetokenizer(
             self.tokenizer, request.prompt_ids, request.stop, min_tokens=request.params.min_tokens)) for i in range(request.params.n)]
-        state = Progress(request_id, request.prompt_ids, replayable(request.params), arrived, deadline, sequences, trace=trace or Context())
+        state = Progress(request_id, request.prompt_ids, replayable(request.params), arrived, deadline, sequences, trace=trace or Context(),
+                         priority=request.priority)
         budget = RetryBudget(self.config.prefill_retries, self.config.max_migrations)
         failed_prefill: set[str] = set()
         while True:
@@ -185,7 +186,7 @@ class Orchestrator:
             try:
                 response = await prefiller.stub.Prefill(
                     pb.PrefillRequest(request_id=request.request_id, token_ids=request.token_ids, sampling=request.sampling,
-                                      kv_destination=admission.kv_destination),
+                                      kv_destination=admission.kv_destination, priority=request.priority),
                     timeout=state.remaining(), metadata=outgoing_metadata(context_of(current)),
                 )
             except asyncio.CancelledError:

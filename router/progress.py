@@ -85,6 +85,7 @@ class Progress:
     attempts: int = 0
     trace: Context = field(default_factory=Context)
     """The request's `generate` span as parent: each attempt's spans and worker calls hang under it."""
+    priority: int = 0
 
     def remaining(self) -> float:
         """Seconds left before the client's deadline (what every worker call may take)."""
@@ -130,7 +131,8 @@ class Progress:
                                         min_tokens=max(0, self.params.min_tokens - done), structured=structured)
         request_id = f"{self.request_id}.{self.attempts}"
         self.attempts += 1
-        return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + generated, sampling=sampling_to_proto(remaining))
+        return pb.DecodeRequest(request_id=request_id, token_ids=self.prompt_ids + generated, sampling=sampling_to_proto(remaining),
+                                priority=self.priority)
 
     def final(self, chunk: pb.TokenChunk, reason: int, metrics: RouterMetrics, seq: SequenceProgress) -> pb.GenerateResponse:
         """The last message of `seq`, with its critical path; the request's is observed when its last sequence ends."""

@@ -61,7 +61,7 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
     else:
         prompt = _completion_prompt(body)
         logprobs = body.logprobs
-    prep = Prepared(kind=kind, request=RouterRequest(prompt, request_id=request_id, model=settings.model_name),
+    prep = Prepared(kind=kind, request=RouterRequest(prompt, request_id=request_id, model=settings.model_name, priority=body.priority or 0),
                     model=settings.model_name, stream=bool(body.stream), logprobs=logprobs,
                     include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
                     critical_path=bool(body.critical_path),
