@@ -1,10 +1,10 @@
 // Decode attention that reads K and V where they live in the paged pool (CPU, fp32 and bf16).
 //
-// One task per row: it walks the row's own blocks twice (K, then V), each block one contiguous run of
-// bytes (prefetched one block ahead); each K row of a KV head is converted to fp32 once and dotted with
-// the G = H / Hkv query heads that share it; the scores of the whole context (a few KB) are softmaxed in
-// fp32; each V row is read once and accumulated into its G outputs. No workspace, no padding: a row reads
-// exactly `context_lens[row]` keys.
+// One task per row. K pass: the row's blocks in table order (each block one contiguous run of bytes,
+// prefetched one block ahead); each K row of a KV head is converted to fp32 once and dotted with the
+// G = H / Hkv query heads that share it, 16 keys at a time. The scores of the whole context (a few KB)
+// are softmaxed in fp32. V pass: per KV head, its query heads accumulate in registers while that head's
+// V rows stream by. No workspace, no padding: a row reads exactly `context_lens[row]` keys.
 // Shapes: q [B, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous);
 // block_table [B, W] int32 or int64; context_lens [B] int32 or int64; returns [B, H, D] in q's dtype.
 
@@ -168,23 +168,32 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t length) {
   }
 }
 
-// acc[h] = sum_t weights[h * length + t] * V_t, each V row read once for the heads that share it.
+// acc[h] = sum_t weights[h * length + t] * V_t. Per KV head, up to kHeadsAtOnce of the query heads that
+// share it accumulate in registers while the row's V rows of that head stream by (the row's blocks stay in
+// L2 between the KV heads' passes).
+constexpr int kHeadsAtOnce = 4;
+
 template <int D, typename scalar_t, typename index_t>
 void weigh_values(const float* weights, const scalar_t* value, const index_t* table, int64_t length,
                   const Geometry& g, float* acc) {
-  const int64_t group = g.heads / g.kv_heads, num_blocks = (length + g.block_size - 1) / g.block_size;
+  constexpr int chunks = D / kLanes;
+  const int64_t group = g.heads / g.kv_heads;
   alignas(64) float row[D];
-  std::fill(acc, acc + g.heads * D, 0.f);
-  for (int64_t pos = 0; pos < length; ++pos) {
-    if (pos % g.block_size == 0) prefetch_block(value, table, pos / g.block_size + 1, num_blocks, g);
-    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-      load_row<D>(token_row(value, table, pos, g) + kvh * g.k_head, row);
-      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-        const float p = weights[h * length + pos];
-        float* a = acc + h * D;
-#pragma omp simd
-        for (int i = 0; i < D; ++i) a[i] += p * row[i];
+  for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+    for (int64_t first = kvh * group; first < (kvh + 1) * group; first += kHeadsAtOnce) {
+      const int64_t heads = std::min<int64_t>(kHeadsAtOnce, (kvh + 1) * group - first);
+      v16 sums[kHeadsAtOnce][chunks] = {};
+      for (int64_t pos = 0; pos < length; ++pos) {
+        load_row<D>(token_row(value, table, pos, g) + kvh * g.k_head, row);
+        v16 v[chunks];
+        std::memcpy(v, row, sizeof row);
+        for (int j = 0; j < kHeadsAtOnce; ++j) {
+          if (j >= heads) break;
+          const float p = weights[(first + j) * length + pos];
+          for (int c = 0; c < chunks; ++c) sums[j][c] += p * v[c];
+        }
       }
+      for (int64_t j = 0; j < heads; ++j) std::memcpy(acc + (first + j) * D, sums[j], sizeof sums[j]);
     }
   }
 }
