@@ -5,7 +5,7 @@ KV pool, all added to its gRPC server; only the active one admits calls (the oth
 stay closed: UNAVAILABLE). `RoleSwitch` owns the active role and its router registration.
 
 Life of a switch (`WorkerAdmin.SwitchRole`, which the router forwards from `Registry.SwitchRole`):
-  1. check the request (role known, not the current one, no other switch under way);
+  1. check the request (role known, no other switch under way, not the current role);
   2. stop heartbeating and deregister: the router stops routing to this worker at once;
   3. drain the old role's service: new calls that raced in are refused (UNAVAILABLE: the router
      retries them elsewhere), calls in flight finish;
@@ -87,10 +87,10 @@ class RoleSwitch:
         if role not in self.services:
             raise RoleSwitchError(grpc.StatusCode.INVALID_ARGUMENT,
                                   f"role: must be one of {sorted(self.services)}, got {role!r}")
-        if role == self.role:
-            raise RoleSwitchError(grpc.StatusCode.FAILED_PRECONDITION, f"role: the worker is already a {role} worker")
         if self._lock.locked():
             raise RoleSwitchError(grpc.StatusCode.FAILED_PRECONDITION, "role: another role switch is under way")
+        if role == self.role:
+            raise RoleSwitchError(grpc.StatusCode.FAILED_PRECONDITION, f"role: the worker is already a {role} worker")
         async with self._lock:
             return await self._switch(role)
 

@@ -73,8 +73,7 @@ def parse_args(role: str, argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--router", default=None, help="the router's internal HOST:PORT (its ready line's "
                         "internal_address) to register with")
     parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
-    parser.set_defaults(rank_launcher=None, switchable=False)  # rank_launcher: what starts tensor-parallel follower ranks
-    # (deploy: Ray tasks); switchable: the worker hosts every role and can switch (role_worker)
+    parser.set_defaults(rank_launcher=None)  # what starts tensor-parallel follower ranks (deploy: Ray tasks)
     return parser.parse_args(argv)
 
 
@@ -94,7 +93,7 @@ def worker_main(role: str, serve: Serve, argv: list[str] | None = None) -> int:
 async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: argparse.Namespace, worker_id: str,
                      control: ServerControl | None = None) -> None:
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
-    hosts = [args.host, *([config.kv_transfer.host] if role == "decode" or args.switchable else [])]
+    hosts = [args.host, *([config.kv_transfer.host] if role == "decode" else [])]
     security.require_secret_for(hosts, config.security.allow_unauthenticated, f"{role} worker {worker_id}")
     parts = None
     stop_tracing = setup_tracing(config.tracing, role, worker_id)

@@ -39,6 +39,8 @@ def builder(role: str):
     """`run_worker`'s build for a worker starting as `role`."""
     async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
         require_single_rank(config)
+        # whatever role it starts in, its KV receiver listens from the start
+        security.require_secret_for([config.kv_transfer.host], config.security.allow_unauthenticated, f"role worker {worker_id}")
         fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
         streamer = LayerStreamer(fault_point) if config.kv_transfer.layerwise else None
         engine = AsyncEngine(Engine(config.engine_for(role), kv_sink=streamer), on_fatal=lose_worker)
@@ -58,7 +60,6 @@ def builder(role: str):
 
 
 async def serve(role: str, config: PdserveConfig, args: argparse.Namespace, worker_id: str, control: ServerControl | None = None) -> None:
-    args.switchable = True
     await run_worker(role, builder(role), config, args, worker_id, control)
 
 
