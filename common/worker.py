@@ -130,7 +130,7 @@ async def _serve(roles: RoleSwitch, every: dict[str, WorkerParts], args: argpars
         if control is None:
             announce_ready(**ready)
         else:
-            control.ready(ready, service=roles.service, registration=roles.registration)
+            control.ready(ready, roles=roles)
         await serve_until_signalled(server, health_servicer, names, roles.drain, stop=control.stop if control is not None else None)
     finally:
         await roles.stop()
