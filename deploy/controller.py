@@ -180,7 +180,8 @@ class Controller:
             source.workers.pop(worker_id)
             slot.role, target.workers[worker_id] = role, slot
             source.target, target.target = len(source.active()), len(target.active())
-            self.events.append({"time": time.time(), "pool": role, "reason": "role switch", **result})
+            self.events.append({"time": time.time(), "pool": role, "from": source.role, "to": role, "worker_id": worker_id,
+                                "reason": f"role switch of {worker_id}, drained in {result['drain_s']:.2f} s"})
             log.warning("worker %s: %s -> %s (drained in %.2f s)", worker_id, source.role, role, result["drain_s"])
             return result
 
