@@ -108,6 +108,7 @@ def test_role_switch_twice_under_load(cluster, demo_prompt_ids, hf_greedy):
         to_prefill = switch(cluster, "prefill")
         assert to_prefill.returncode == 0, to_prefill.stderr
         assert json.loads(to_prefill.stdout)["role"] == "prefill"
+        print("switch 1:", to_prefill.stdout.strip())  # drain and switch times (shown with -s; not asserted)
         # the router answers only once its registry holds the new role (waiting at most one heartbeat
         # interval); its metrics, refreshed every 0.5 s, show it next
         wait_for(lambda: registry(cluster).get(SWITCHER) == "prefill", "the router's metrics show the new role", timeout=10)
@@ -116,10 +117,12 @@ def test_role_switch_twice_under_load(cluster, demo_prompt_ids, hf_greedy):
         to_decode = switch(cluster, "decode")
         assert to_decode.returncode == 0, to_decode.stderr
         assert json.loads(to_decode.stdout)["previous_role"] == "prefill"
+        print("switch 2:", to_decode.stdout.strip())
         wait_for(lambda: registry(cluster).get(SWITCHER) == "decode", "the router's metrics show the new role", timeout=10)
         wait_for(lambda: routed(cluster, SWITCHER, "decode") >= 2, "the router routes decodes to the switched worker again")
     assert not streams.errors, streams.errors[:5]
     assert len(streams.results) >= STREAMS
+    print(f"{len(streams.results)} requests over {STREAMS} streams, none failed")
     for ids, tokens, finish in streams.results:
         assert finish in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
         assert tokens == hf_greedy(tuple(ids), MAX_TOKENS)
