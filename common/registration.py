@@ -26,6 +26,8 @@ class RegistrationLoop:
         self.interval_s = 1.0
         self._task: asyncio.Task | None = None
         self._stopped = False
+        self.registered = asyncio.Event()
+        """Set once the router accepted our Register (a role switch waits for it)."""
         self._channel = (security or Security()).channel(router_address)
         self._stub = pb_grpc.RegistryStub(self._channel)
 
@@ -58,6 +60,7 @@ class RegistrationLoop:
                     reply = await self._stub.Register(pb.RegisterRequest(worker=self.info), timeout=5.0)
                     self.interval_s = reply.heartbeat_interval_s or self.interval_s
                     registered = True
+                    self.registered.set()
                     log.info("registered with router %s", self.router_address)
                 stats = await self.service.Stats(pb.StatsRequest(), None)
                 reply = await self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.info.worker_id, stats=stats), timeout=5.0)

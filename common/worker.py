@@ -10,6 +10,9 @@ optionally register with the router's internal port and heartbeat, serve until S
 (the servicer's `drain`), deregister, close the parts.
 Under Ray (deploy/actors.py) the same `run_worker` runs inside an actor with a `ServerControl`:
 the ready info goes to the actor instead of stdout and the actor, not a signal, stops it.
+A switchable worker (role_worker/) builds parts for every role over one engine (`WorkerParts.others`):
+all their services join the server next to `pdserve.v1.WorkerAdmin`, and common/role_switch.py's
+`RoleSwitch` keeps one of them active and registered at a time.
 
 Torch-free on purpose: the parts that load the model are built by prefill_worker/main.py and
 decode_worker/main.py and handed in, so this module stays in common/ below both of them.
@@ -30,10 +33,12 @@ import grpc
 
 from common.config import PdserveConfig, load_config
 from common.registration import RegistrationLoop
+from common.role_switch import Register, RoleSwitch, WorkerAdminService
 from common.security import InsecureBind, Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving
 from common.tracing import setup_tracing
 from common.validation import ConfigError
+from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 
 @dataclass
@@ -49,6 +54,9 @@ class WorkerParts:
     """Stop the KV endpoint and the engine (after the server stopped)."""
     ready: dict[str, Any] = field(default_factory=dict)
     """Extra fields of the ready line (the decode worker's kv_port)."""
+    others: dict[str, WorkerParts] = field(default_factory=dict)
+    """The other roles a switchable worker can take, by role, over the same engine (their `close` is not
+    called: this part's closes everything)."""
 
 
 BuildParts = Callable[[PdserveConfig, argparse.Namespace, str, Security], Awaitable[WorkerParts]]
@@ -87,31 +95,58 @@ async def run_worker(role: str, build: BuildParts, config: PdserveConfig, args: 
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
     hosts = [args.host, *([config.kv_transfer.host] if role == "decode" else [])]
     security.require_secret_for(hosts, config.security.allow_unauthenticated, f"{role} worker {worker_id}")
+    parts = None
     stop_tracing = setup_tracing(config.tracing, role, worker_id)
-    parts = await build(config, args, worker_id, security)
-    registration = None
     try:
-        names = [parts.service_name]
-        server, port, health_servicer = create_server(args.host, args.port, names, security, protected=names)
-        parts.add_to_server(parts.service, server)
+        parts = await build(config, args, worker_id, security)
+        every = {role: parts, **parts.others}
+        roles = RoleSwitch(role, {name: p.service for name, p in every.items()})
+        await _serve(roles, every, args, worker_id, config, security, control)
+    finally:
+        if parts is not None:
+            await parts.close()
+        stop_tracing()
+
+
+async def _serve(roles: RoleSwitch, every: dict[str, WorkerParts], args: argparse.Namespace, worker_id: str, config: PdserveConfig,
+                 security: Security, control: ServerControl | None) -> None:
+    """Bind the gRPC server with every role's service (and `WorkerAdmin` when there is more than one),
+    announce the ready line, register, serve until stopped, drain, deregister."""
+    names = [p.service_name for p in every.values()] + (["pdserve.v1.WorkerAdmin"] if len(every) > 1 else [])
+    server, port, health_servicer = create_server(args.host, args.port, names, security, protected=names)
+    for p in every.values():
+        p.add_to_server(p.service, server)
+    if len(every) > 1:
+        pb_grpc.add_WorkerAdminServicer_to_server(WorkerAdminService(roles, worker_id), server)
+    try:
         await server.start()
         await set_serving(health_servicer, names, True)
         address = f"{args.host}:{port}"
-        ready = {"role": role, "worker_id": worker_id, "grpc_port": port, "address": address, **parts.ready}
-        if args.router:
-            registration = RegistrationLoop(args.router, role, worker_id, address, parts.service, config.model_name, security)
-            registration.start()
+        ready = {"role": roles.role, "worker_id": worker_id, "grpc_port": port, "address": address,
+                 **({"roles": sorted(every)} if len(every) > 1 else {})}
+        for p in every.values():
+            ready.update(p.ready)
+        roles.start(_registering(args, worker_id, address, config, security))
         if control is None:
             announce_ready(**ready)
         else:
-            control.ready(ready, service=parts.service, registration=registration)
-        await serve_until_signalled(server, health_servicer, names, parts.service.drain,
-                                    stop=control.stop if control is not None else None)
+            control.ready(ready, roles=roles)
+        await serve_until_signalled(server, health_servicer, names, roles.drain, stop=control.stop if control is not None else None)
     finally:
-        if registration is not None:
-            await registration.stop()
-        await parts.close()
-        stop_tracing()
+        await roles.stop()
+
+
+def _registering(args: argparse.Namespace, worker_id: str, address: str, config: PdserveConfig, security: Security) -> Register | None:
+    """What registers a role with the router (`--router`), or None."""
+    if not args.router:
+        return None
+
+    def register(role: str, service: Any) -> RegistrationLoop:
+        loop = RegistrationLoop(args.router, role, worker_id, address, service, config.model_name, security)
+        loop.start()
+        return loop
+
+    return register
 
 
 def lose_worker(error: Exception) -> None:

@@ -29,14 +29,20 @@ ROLE = "decode"
 
 
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
-    fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
-    kv = config.kv_transfer
-    ranks = (AGENT, RankSettings(kv, security.kv_secret))
+    ranks = (AGENT, RankSettings(config.kv_transfer, security.kv_secret))
     engine = AsyncEngine(Engine(config.engine_for(ROLE), rank_agent=ranks, rank_launcher=args.rank_launcher), on_fatal=lose_worker)
     engine.start()
+    # test hook, read once here: PDSERVE_TEST_FAULT_POINT
+    return await decode_parts(config, engine, args.kv_port, worker_id, security, FaultPoint.from_env())
+
+
+async def decode_parts(config: PdserveConfig, engine: AsyncEngine, kv_port: int, worker_id: str, security: Security,
+                       fault_point: FaultPoint | None) -> WorkerParts:
+    """The decode role over a started engine: its KV receiver listens on `kv_port` (0: any free port)."""
+    kv = config.kv_transfer
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     heads = head_range(engine.global_layout.num_kv_heads, engine.tensor_parallel_size, 0)
-    receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=args.kv_port, secret=security.kv_secret, heads=heads)
+    receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=kv_port, secret=security.kv_secret, heads=heads)
     await receiver.start()
     followers = FollowerReceivers(engine.ranks)
     service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point,

@@ -8,6 +8,8 @@ Lifecycle of a worker actor (created by the controller in its own placement grou
   `start(router)`  build the engine (torch threads = the pool's CPU share), bind gRPC (+ KV receiver),
              register with the router (heartbeats carry Stats); returns the ready info
   `stats()`  the worker's `Stats` plus requests in flight
+  `switch_role(role)`  drain, deregister, take the other role over the same engine, register again
+             (`pdserve role` through the controller; pools that are not tensor-parallel run role workers)
   `drain()`  scale-down: Deregister from the router first (nothing new is routed here), wait
              until no request has been in flight for `settle_s`, then stop the server
   `stop()`   drain and stop (shutdown; the router has already stopped admitting)
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import logging
 import os
 import time
@@ -37,6 +40,7 @@ from typing import Any
 import ray
 
 from common.config import PdserveConfig
+from common.role_switch import ROLE_NAMES
 from common.secrets import HandedSecret
 from common.serving import ServerControl, configure_logging, wait_idle
 from deploy.hosting import ServerThread
@@ -55,14 +59,24 @@ def _node_ip() -> str:
     return ray.util.get_node_ip_address()
 
 
-def _worker_serve(role: str):
-    """The worker's `serve` coroutine. Imported here, in the worker actor's process only: it loads
-    torch and the engine, which the controller and the CLI (they import this module) must not."""
+def _worker_serve(role: str, config: PdserveConfig):
+    """The worker's `serve` coroutine: a role worker (it can switch role, `switch_role`) when neither pool
+    is tensor-parallel, else the plain worker of `role`. Imported here, in the worker actor's process
+    only: it loads torch and the engine, which the controller and the CLI (they import this module) must not."""
+    if switchable(config):
+        from role_worker.main import serve as serve_role
+
+        return functools.partial(serve_role, role)
     if role == "prefill":
         from prefill_worker.main import serve
     else:
         from decode_worker.main import serve
     return serve
+
+
+def switchable(config: PdserveConfig) -> bool:
+    """Whether the pools' workers can switch role (role_worker/ refuses tensor parallelism)."""
+    return config.pools.prefill.tensor_parallel_size == config.pools.decode.tensor_parallel_size == 1
 
 
 def _stats_dict(message) -> dict[str, Any]:
@@ -74,7 +88,7 @@ class WorkerActor:
                  secret: HandedSecret | None = None):
         _setup_process(log_level)
         self._secret = secret.value if secret is not None else ""
-        self._serve = _worker_serve(role)  # torch + transformers load while the router starts
+        self._serve = _worker_serve(role, config)  # torch + transformers load while the router starts
         self.role, self.worker_id = role, worker_id
         self.host = bind_host or _node_ip()
         # the KV receiver must be reachable from prefill workers on other nodes: same host as gRPC
@@ -94,7 +108,7 @@ class WorkerActor:
         return {**info, "pid": os.getpid(), "node_ip": _node_ip()}
 
     def stats(self) -> dict[str, Any]:
-        service = self.server.handles["service"]
+        service = self.server.handles["roles"].service
 
         async def read() -> dict[str, Any]:
             stats = _stats_dict(await service.Stats(pb.StatsRequest(), None))
@@ -104,13 +118,13 @@ class WorkerActor:
 
     def drain(self, settle_s: float = 0.5, timeout_s: float = 300.0) -> dict[str, Any]:
         """Scale-down: leave the router, let requests in flight finish, stop. Returns what happened."""
-        service, registration = self.server.handles["service"], self.server.handles["registration"]
+        roles = self.server.handles["roles"]
 
         async def leave_and_wait() -> dict[str, Any]:
             started = time.monotonic()
+            service = roles.service
             in_flight_at_start = service.gate.in_flight
-            if registration is not None:
-                await registration.stop()  # Deregister: the router picks us no more
+            await roles.stop()  # Deregister: the router picks us no more
             left = await wait_idle(lambda: service.gate.in_flight, timeout_s=timeout_s, settle_s=settle_s)
             return {"worker_id": self.worker_id, "in_flight_at_drain": in_flight_at_start,
                     "in_flight_left": left, "drain_s": round(time.monotonic() - started, 3)}
@@ -118,6 +132,17 @@ class WorkerActor:
         result = self.server.call(leave_and_wait)
         self.server.stop()
         return result
+
+    def switch_role(self, role: str, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Drain, deregister, take `role` over the same engine and KV pool, register again
+        (common/role_switch.py); what happened. A bad `role` raises RoleSwitchError naming the field."""
+        roles = self.server.handles["roles"]
+        if len(roles.services) == 1:
+            raise ValueError(f"worker_id: {self.worker_id!r} cannot switch role (tensor-parallel pools run plain workers)")
+        reply = self.server.call(lambda: roles.switch(role), timeout_s=timeout_s)
+        self.role = role
+        return {"worker_id": self.worker_id, "previous_role": ROLE_NAMES[reply.previous_role], "role": role,
+                "drain_s": round(reply.drain_s, 3), "switch_s": round(reply.switch_s, 3)}
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.server is not None:

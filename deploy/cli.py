@@ -7,6 +7,7 @@
   pdserve serve [-c CONFIG] [--address RAY]          router + pools as Ray actors, in the foreground
   pdserve up [-c CONFIG] [--address RAY] / down      the same, detached on a running Ray cluster
   pdserve status [--json] / scale prefill=N decode=M  talk to the running deployment (docs/deploy.md)
+  pdserve role WORKER prefill|decode --router HOST:PORT  switch a worker's role (docs/operations.md)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import uuid
 from common.config import load_config
 from common.engine_config import EngineConfig
 from common.validation import ConfigError
-from deploy import commands
+from deploy import commands, role
 from engine.errors import EngineError
 from engine.sampling import SamplingParams
 from engine.tokenization import encode_prompt
@@ -67,11 +68,14 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     commands.add_commands(sub)
+    role.add_command(sub)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if args.command in ("serve", "up", "down", "status", "scale"):
         return commands.run(args)
+    if args.command == "role":
+        return role.run(args)
     if args.command == "generate":
         return _generate(args)
     if args.command == "model":

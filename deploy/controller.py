@@ -11,6 +11,8 @@ Lifecycle:
                 healthy; down: pick the least loaded workers, drain them (Deregister from the
                 router, wait for requests in flight to finish), kill the actor, remove its group.
                 No request fails either way. One scale at a time per pool.
+  `switch_role(worker, role)`  the worker actor switches role in place (drain, deregister,
+                re-register); its slot moves to the other pool. One pool operation at a time.
   `status()`    router, pools and workers with health and load (the `pdserve status` JSON).
   `shutdown()`  router stops admitting and finishes its requests in flight, workers drain and stop,
                 router stops, every actor and placement group is removed.
@@ -150,6 +152,38 @@ class Controller:
         if self.stopping:
             raise RuntimeError("pdserve is shutting down")
         return await self._scale_to(pool, replicas, "manual")
+
+    async def switch_role(self, worker_id: str, role: str) -> dict:
+        """`pdserve role`: the worker drains, deregisters, takes `role` and registers again; its slot moves
+        to the other pool (both pools' targets follow, within their min/max replicas)."""
+        if role not in self.pools:
+            raise ValueError(f"role: must be one of {', '.join(ROLES)}, got {role!r}")
+        source = next((p for p in self.pools.values() if worker_id in p.workers), None)
+        if source is None:
+            known = ", ".join(w for p in self.pools.values() for w in p.workers) or "none"
+            raise ValueError(f"worker_id: no worker {worker_id!r} in the pools (known: {known})")
+        if source.role == role:
+            raise ValueError(f"role: the worker is already a {role} worker")
+        target = self.pools[role]
+        first, second = sorted((source, target), key=lambda pool: ROLES.index(pool.role))  # one lock order: no deadlock
+        async with first.lock, second.lock:
+            slot = source.workers.get(worker_id)
+            if slot is None or slot.state != "ready":
+                raise ValueError(f"worker_id: {worker_id!r} is not ready (it is {slot.state if slot else 'gone'})")
+            _check_bounds(source, len(source.active()) - 1)
+            _check_bounds(target, len(target.active()) + 1)
+            slot.state = "switching"
+            try:
+                result = await wait_ref(slot.actor.switch_role.remote(role), self.config.autoscaler.drain_timeout_s + 60)
+            finally:
+                slot.state = "ready"
+            source.workers.pop(worker_id)
+            slot.role, target.workers[worker_id] = role, slot
+            source.target, target.target = len(source.active()), len(target.active())
+            self.events.append({"time": time.time(), "pool": role, "from": source.role, "to": role, "worker_id": worker_id,
+                                "reason": f"role switch of {worker_id}, drained in {result['drain_s']:.2f} s"})
+            log.warning("worker %s: %s -> %s (drained in %.2f s)", worker_id, source.role, role, result["drain_s"])
+            return result
 
     async def _scale_to(self, pool: Pool, n: int, reason: str) -> dict:
         async with pool.lock:
@@ -359,6 +393,12 @@ class Controller:
                 "security": self.authentication}
 
 
+
+
+def _check_bounds(pool: Pool, n: int) -> None:
+    lo, hi = pool.config.min_replicas, pool.config.max_replicas
+    if not lo <= n <= hi:
+        raise ValueError(f"role: the switch would leave pools.{pool.role} with {n} workers, outside [min_replicas, max_replicas] = [{lo}, {hi}]")
 
 
 def deployment_secret(config: PdserveConfig) -> tuple[HandedSecret | None, dict[str, Any]]:

@@ -1,4 +1,4 @@
-"""Ray side of the `pdserve` CLI: `serve`, `up`, `down`, `status`, `scale` (flags and config
+"""Ray side of the `pdserve` CLI: `serve`, `up`, `down`, `status`, `scale`, `role` (flags and config
 loading: deploy/commands.py, which imports this module only for these commands).
 
 `serve` (foreground): with the config validated (a bad one exits 2 before Ray starts); start an
@@ -34,6 +34,7 @@ from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from common.config import PdserveConfig
+from deploy import role
 from deploy.commands import SHUTDOWN_GRACE_S, custom_resources, format_status, logical_cpus, parse_scale_targets
 from deploy.controller import CONTROLLER_NAME, Controller, DeployOptions
 from deploy.placement import NAMESPACE
@@ -240,6 +241,20 @@ def scale(args: argparse.Namespace) -> int:
                   + (f"; removed {removed}" if removed else "")
                   + (f"; errors: {'; '.join(result['errors'])}" if result["errors"] else ""))
     return 1 if failed else 0
+
+
+def switch_role(args: argparse.Namespace) -> int:
+    """`pdserve role WORKER ROLE` on a Ray deployment: the controller switches the worker in place."""
+    controller = _running_controller(args.address)
+    if controller is None:
+        return 1
+    try:
+        result = ray.get(controller.switch_role.remote(args.worker, args.role), timeout=args.timeout)
+    except Exception as exc:  # noqa: BLE001
+        print(f"pdserve role: {_cause(exc)}", file=sys.stderr)
+        return 2
+    role.report(result, args.json)
+    return 0
 
 
 # ---- helpers ---------------------------------------------------------------------------------

@@ -1,7 +1,8 @@
 """The controller's book of its workers: one `WorkerSlot` per worker actor, one `Pool` per role.
 
 Lifecycle of a slot: "starting" (placement group and actor being created, not yet registered
-with the router) -> "ready" -> "draining" (scale-down or shutdown), then it leaves its pool.
+with the router) -> "ready" -> "draining" (scale-down or shutdown), then it leaves its pool. A role
+switch (`pdserve role`) takes a ready slot through "switching" back to "ready", in the other pool.
 `worker_status` renders a slot (with what the router says about it) for `pdserve status`.
 """
 
@@ -23,7 +24,7 @@ class WorkerSlot:
     actor: Any = None
     pg: Any = None
     state: str = "starting"
-    """starting -> ready -> draining (then gone)."""
+    """starting -> ready (<-> switching) -> draining (then gone)."""
     info: dict = field(default_factory=dict)
     stats: dict | None = None
     created: float = field(default_factory=time.time)

@@ -30,13 +30,19 @@ ROLE = "prefill"
 
 
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
-    kv = config.kv_transfer
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
-    streamer = LayerStreamer(fault_point) if kv.layerwise else None
-    ranks = (AGENT, RankSettings(kv, security.kv_secret))
+    streamer = LayerStreamer(fault_point) if config.kv_transfer.layerwise else None
+    ranks = (AGENT, RankSettings(config.kv_transfer, security.kv_secret))
     engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks, rank_launcher=args.rank_launcher),
                          on_fatal=lose_worker)
     engine.start()
+    return prefill_parts(config, engine, worker_id, security, streamer, fault_point)
+
+
+def prefill_parts(config: PdserveConfig, engine: AsyncEngine, worker_id: str, security: Security, streamer: LayerStreamer | None,
+                  fault_point: FaultPoint | None) -> WorkerParts:
+    """The prefill role over a started engine (built with `streamer` as its KV layer sink)."""
+    kv = config.kv_transfer
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     sender = make_sender(kv, security.kv_secret, FaultInjector.configured(kv.faults))
     service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)

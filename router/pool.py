@@ -3,7 +3,8 @@
 Lifecycle of a worker entry: added from config/flags or by `Registry.Register`; refreshed by
 heartbeats (which carry `WorkerStats`); taken out of rotation when heartbeats stop for longer
 than the timeout or when a call to it fails with UNAVAILABLE (until its next heartbeat); removed
-on `Deregister`. Static workers (from flags) have no heartbeat and are probed with `Stats`.
+on `Deregister`. A worker that switched role (common/role_switch.py) deregisters, then registers
+again with its new role: a fresh entry with a stub of that role's service. Static workers (from flags) have no heartbeat and are probed with `Stats`.
 Each entry owns one channel built by `Security.channel` (TLS and the cluster secret when set).
 """
 
@@ -68,7 +69,7 @@ class WorkerPool:
 
     def add(self, worker_id: str, role: str, address: str, static: bool = False) -> Worker:
         existing = self.workers.get(worker_id)
-        if existing is not None and existing.address == address:
+        if existing is not None and existing.address == address and existing.role == role:
             existing.healthy, existing.last_seen = True, time.monotonic()
             return existing
         if existing is not None:

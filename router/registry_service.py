@@ -5,14 +5,18 @@ Served on the router's internal port only, behind the cluster secret. Each call 
 router's watcher (`router.main`), not here. A worker id is owned by its address while it is alive:
 re-registering it from the same address (a router restart) works, from another one is refused
 (ALREADY_EXISTS) until the id has been silent for the heartbeat timeout.
+`SwitchRole` (the `pdserve role` CLI, the controller) finds the worker by id and forwards the call to
+its `WorkerAdmin` (a `python -m role_worker` process), which deregisters, drains and re-registers.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
 
+from common.registration import ROLES
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.pool import Worker, WorkerPool
@@ -22,6 +26,41 @@ class RegistryService(pb_grpc.RegistryServicer):
     def __init__(self, pool: WorkerPool, heartbeat_interval_s: float = 1.0):
         self.pool = pool
         self.heartbeat_interval_s = heartbeat_interval_s
+        self.switch_timeout_s = 600.0
+        """A switch waits for the worker's calls in flight to finish."""
+
+    async def SwitchRole(self, request: pb.SwitchRoleRequest, context) -> pb.SwitchRoleResponse:
+        worker = self.pool.workers.get(request.worker_id)
+        if worker is None:
+            known = ", ".join(sorted(self.pool.workers)) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"worker_id: no worker {request.worker_id!r} is registered (known: {known})")
+        if request.role not in (pb.ROLE_PREFILL, pb.ROLE_DECODE):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "role: must be ROLE_PREFILL or ROLE_DECODE")
+        channel = self.pool.security.channel(worker.address)  # its own: the worker's entry is replaced during the switch
+        try:
+            reply = await pb_grpc.WorkerAdminStub(channel).SwitchRole(request, timeout=self.switch_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                    f"worker_id: {request.worker_id!r} cannot switch role (start it with python -m role_worker)")
+            await context.abort(exc.code(), exc.details() or "role switch failed")
+        finally:
+            await channel.close()
+        if not await self._routes_as(request.worker_id, request.role):
+            await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, f"worker_id: {request.worker_id!r} switched role but did not "
+                                f"register again within one heartbeat interval ({self.heartbeat_interval_s:g} s)")
+        return reply
+
+    async def _routes_as(self, worker_id: str, role: int) -> bool:
+        """Whether the registry holds `worker_id` with `role`, waiting at most one heartbeat interval."""
+        deadline = time.monotonic() + self.heartbeat_interval_s
+        while True:
+            worker = self.pool.workers.get(worker_id)
+            if worker is not None and ROLES.get(worker.role) == role:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            await asyncio.sleep(0.02)
 
     async def Register(self, request: pb.RegisterRequest, context) -> pb.RegisterResponse:
         w = request.worker

@@ -298,3 +298,40 @@ def test_autoscaler_grows_and_shrinks_prefill_pool(tmp_path, demo_prompt_ids, se
 def _shrunk(report: dict) -> list[dict]:
     """The status report's prefill scale-down events (2 -> 1)."""
     return [e for e in report["events"] if e["pool"] == "prefill" and e.get("from") == 2 and e.get("to") == 1]
+
+
+def test_role_switch_through_the_controller_under_load(tmp_path, demo_prompt_ids, serve_guard):
+    """`pdserve role` on a Ray deployment: a decode worker becomes a prefill worker and back, in place,
+    while requests run; its slot moves between the pools, none fails, and bad input names the field."""
+    config = write_config(
+        tmp_path / "pdserve.yaml", transport="tcp",
+        pools={"prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 2, "num_cpus": 0.5},
+               "decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 2, "num_cpus": 0.5}},
+    )
+    serve = start_serve(config)
+    serve_guard.append(serve)
+    address = serve.ready["grpc"]
+    worker = status(serve)["pools"]["decode"]["workers"][-1]["id"]
+    with Load(address, demo_prompt_ids, threads=4, max_tokens=16) as load:
+        load.wait_ok(2)
+        phase(f"load running; switching {worker} to prefill")
+        to_prefill = json.loads(cli(serve, "role", worker, "prefill", "--json").stdout)
+        assert (to_prefill["previous_role"], to_prefill["role"]) == ("decode", "prefill"), to_prefill
+        report = status(serve)
+        assert worker in [w["id"] for w in healthy(report, "prefill")], report["pools"]
+        assert worker not in [w["id"] for w in report["pools"]["decode"]["workers"]]
+        wait_for(lambda: any(w["id"] == worker and w["kv_bytes_sent"] > 0 for w in status(serve)["pools"]["prefill"]["workers"]),
+                 90, f"{worker} to prefill requests", interval=2.0)
+        phase(f"{worker} prefills; switching back to decode")
+        back = json.loads(cli(serve, "role", worker, "decode", "--json").stdout)
+        assert back["role"] == "decode", back
+        assert worker in [w["id"] for w in healthy(status(serve), "decode")]
+        load.wait_ok(3)
+    assert not load.failures, load.failures
+    bad = subprocess.run([sys.executable, "-m", "deploy.cli", "role", "nobody", "decode", "--address", serve.ready["ray_address"]],
+                         cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "worker_id" in bad.stderr and "nobody" in bad.stderr, bad.stderr
+    same = subprocess.run([sys.executable, "-m", "deploy.cli", "role", worker, "decode", "--address", serve.ready["ray_address"]],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert same.returncode == 2 and "role: the worker is already a decode worker" in same.stderr, same.stderr
+    stop_and_check_nothing_left(serve, set())

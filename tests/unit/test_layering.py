@@ -11,6 +11,7 @@ The layers, bottom first (a module may import its own layer and the layers below
                                                       imports kvtransfer (the KV layer sink is passed
                                                       in), so kvtransfer sits above engine
   4  prefill_worker, decode_worker                    siblings: neither imports the other
+  4b role_worker                                      hosts both roles over one engine (role switch)
   5  router
   6  deploy                                           Ray, and the `pdserve` CLI on top
   7  bench                                            may import anything (tests are not checked)
@@ -40,6 +41,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("proto.convert",),
     ("kvtransfer",),
     ("prefill_worker", "decode_worker"),
+    ("role_worker",),
     ("router",),
     ("deploy",),
     ("bench",),

@@ -483,3 +483,25 @@ class DeregisterRequest(_message.Message):
 class DeregisterResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class SwitchRoleRequest(_message.Message):
+    __slots__ = ("worker_id", "role")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ...) -> None: ...
+
+class SwitchRoleResponse(_message.Message):
+    __slots__ = ("worker_id", "previous_role", "role", "drain_s", "switch_s")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREVIOUS_ROLE_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    DRAIN_S_FIELD_NUMBER: _ClassVar[int]
+    SWITCH_S_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    previous_role: Role
+    role: Role
+    drain_s: float
+    switch_s: float
+    def __init__(self, worker_id: _Optional[str] = ..., previous_role: _Optional[_Union[Role, str]] = ..., role: _Optional[_Union[Role, str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ...) -> None: ...

@@ -126,6 +126,11 @@ class RegistryStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.DeregisterRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.DeregisterResponse.FromString,
                 _registered_method=True)
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.v1.Registry/SwitchRole',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -151,6 +156,14 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SwitchRole(self, request, context):
+        """Asks a registered worker to change role (forwarded to its WorkerAdmin.SwitchRole). Errors:
+        NOT_FOUND (worker_id), INVALID_ARGUMENT (role), FAILED_PRECONDITION (already that role, not switchable).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +181,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Deregister,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.DeregisterRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.DeregisterResponse.SerializeToString,
+            ),
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -252,6 +270,111 @@ class Registry:
             '/pdserve.v1.Registry/Deregister',
             proto_dot_pdserve_dot_v1_dot_pdserve__pb2.DeregisterRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_pdserve__pb2.DeregisterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/SwitchRole',
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
+class WorkerAdminStub:
+    """Served by a worker that can host either role (`python -m role_worker`): drain the current
+    role, deregister, activate the other service over the same engine and KV pool, re-register.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.SwitchRole = channel.unary_unary(
+                '/pdserve.v1.WorkerAdmin/SwitchRole',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.FromString,
+                _registered_method=True)
+
+
+class WorkerAdminServicer:
+    """Served by a worker that can host either role (`python -m role_worker`): drain the current
+    role, deregister, activate the other service over the same engine and KV pool, re-register.
+    """
+
+    def SwitchRole(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_WorkerAdminServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'SwitchRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.SwitchRole,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.v1.WorkerAdmin', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.v1.WorkerAdmin', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class WorkerAdmin:
+    """Served by a worker that can host either role (`python -m role_worker`): drain the current
+    role, deregister, activate the other service over the same engine and KV pool, re-register.
+    """
+
+    @staticmethod
+    def SwitchRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.WorkerAdmin/SwitchRole',
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,
