@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from common.hardware import cpu_info
+
 
 class Machine:
     """How busy the rest of the machine was while a phase ran, from /proc/stat: CPU cores used by other
@@ -105,7 +107,7 @@ def machine_record(machine: Machine) -> dict:
     import transformers
 
     return {
-        "cpu": cpu_name(),
+        **cpu_info().record(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
@@ -127,14 +129,3 @@ def _load_note(phases: dict[str, dict]) -> str:
     )
     verdict = "the machine was quiet" if busiest <= 0.25 else "figures of the busier phases are pessimistic (see tokens_per_cpu_s)"
     return f"CPU cores taken by other processes + hypervisor steal during each phase: {', '.join(parts) or 'unknown'}; {verdict}"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"
