@@ -60,6 +60,9 @@ class Machine:
                 "loadavg_1m_end": round(os.getloadavg()[0], 2),
             }
 
+    def record(self) -> dict:
+        return {"phases": self.phases, "load_note": _load_note(self.phases)}
+
 
 def own_cpu_seconds() -> float:
     return time.process_time()  # all threads of this process
@@ -103,7 +106,8 @@ def progress_bar(desc: str, total: int, unit: str = "tok") -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=True)
 
 
-def machine_record(machine: Machine) -> dict:
+def machine_record() -> dict:
+    """The host and the software versions (the CPU's model and the features that decide `dtype: auto`)."""
     import transformers
 
     return {
@@ -113,8 +117,6 @@ def machine_record(machine: Machine) -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "phases": machine.phases,
-        "load_note": _load_note(machine.phases),
     }
 
 
