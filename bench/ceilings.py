@@ -1,7 +1,8 @@
 """The model's attention-free ceilings: its forward with attention replaced by a function that returns
 the query unchanged, so only the matmuls (and norms) run. `run_matmul_ceiling` times a batch of
 single decode tokens, `run_prefill_ceiling` one packed prompt chunk; `workload_ceiling` combines them
-into the best useful tokens/s any engine could reach on a workload here."""
+into the best useful tokens/s any engine could reach on a workload here (the bound; the engine's
+fraction of it is `engine_over_bound` among bench.engine's ratios)."""
 
 from __future__ import annotations
 
@@ -88,8 +89,6 @@ def workload_ceiling(r: dict, w: Workload) -> dict:
         "output_tokens": w.useful_tokens,
         "seconds": round(seconds, 2),
         "useful_tokens_per_s": round(best, 2),
-        "engine_fraction": round(r["engine"]["tokens_per_s"] / best, 3),
-        "engine_fraction_cpu_time": round(r["engine"]["tokens_per_cpu_s"] / best, 3),
         "max_possible_over_hf_static": round(best / r["hf_static"]["tokens_per_s"], 2),
         "max_possible_over_hf_continuous": round(best / r["hf_continuous"]["tokens_per_s"], 2),
     }

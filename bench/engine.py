@@ -1,7 +1,13 @@
 """Engine throughput: the pdserve engine against transformers on one seeded offline workload.
 
-Usage: `python -m bench.engine [--num-requests 64] [--seed 0] [--threads 1] [--out PATH] [--quick]`,
-or `main(argv)` (what `pdserve bench engine` calls). Default output: bench/results/engine.json.
+Usage: `python -m bench.engine [--dtype fp32,bf16] [--num-requests 64] [--seed 0] [--threads 1] [--out PATH] [--quick]`,
+or `main(argv)` (what `pdserve bench engine` calls). Default output: bench/results/engine.json and
+engine.png next to it.
+
+`--dtype` lists the dtypes to run (default: what `engine.dtype: auto` resolves to on this machine,
+common/hardware.py); the whole benchmark below runs once per dtype, the model loaded in that dtype
+for every phase (engine, both transformers baselines, the ceilings). The JSON holds one section per
+dtype under `by_dtype`, the settings and the machine (CPU model and features) once.
 
 One workload (default: 64 requests, prompt lengths uniform in [64, 512] random token ids, output
 lengths uniform in [32, 256], greedy, EOS ignored so that every request produces exactly its output
@@ -20,7 +26,8 @@ length) runs, in one process and one after the other, through:
 
 `workload_ceiling` combines the two ceilings into the best useful tokens/s any engine could reach on
 this workload here (every prompt token at the prefill ceiling, every output token at the decode
-ceiling), and so the largest ratio over each baseline that is physically possible.
+ceiling), and so the largest ratio over each baseline that is physically possible; `engine_over_bound`
+is the engine's fraction of it.
 
 Both transformers baselines use a separately loaded copy of the model with transformers' default
 attention (the Engine switches its own instance to its paged attention). Every figure is useful
@@ -35,6 +42,7 @@ a neighbour's burst changes every number.
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import logging
 import statistics
@@ -46,17 +54,23 @@ from pathlib import Path
 import torch
 
 from bench.ceilings import run_matmul_ceiling, run_prefill_ceiling, workload_ceiling
+from bench.engine_report import plot, summary
 from bench.engine_workload import Settings, Workload, make_workload
 from bench.hf_baselines import hf_copy, pad_id, run_hf_continuous, run_hf_static
 from bench.measure import Clock, Machine, current_rss_bytes, machine_record, peak_rss_bytes, progress_bar, token_rate
+from common.hardware import auto_dtype
 from engine import Engine, EngineConfig, SamplingParams
-from engine.model_loader import LoadedModel, load_model
+from engine.model_loader import DTYPES, LoadedModel, load_model
 
 log = logging.getLogger("bench.engine")
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine.json"
-TARGETS = {"engine_over_hf_static": 6.0, "engine_over_hf_continuous": 6.0, "engine_decode_b64_over_ceiling": 0.5}
-__all__ = ["Settings", "Workload", "make_workload", "run", "run_hf_static", "run_hf_continuous", "hf_copy", "main"]
+TARGETS = {  # issue #17's acceptance, per dtype
+    "float32": {"engine_over_bound": 0.8, "engine_decode_b64_over_ceiling": 0.7},
+    "bfloat16": {"engine_over_bound": 0.7, "engine_over_hf_static": 6.0},
+}
+DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+__all__ = ["Settings", "Workload", "make_workload", "run", "run_dtypes", "run_hf_static", "run_hf_continuous", "hf_copy", "main"]
 
 
 # ---- (a) the engine ------------------------------------------------------------------------------
@@ -67,7 +81,7 @@ def engine_config(s: Settings, loaded: LoadedModel, w: Workload, block_size: int
     blocks = max(blocks, decode_phase)
     return EngineConfig(
         model=loaded.path,
-        dtype={torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}[loaded.dtype],
+        dtype=dtype_name(loaded.dtype),
         block_size=block_size,
         num_kv_blocks=blocks + 16,
         max_num_seqs=max(128, len(w.prompts), s.decode_batch),
@@ -149,10 +163,31 @@ def run_engine_decode(engine: Engine, w: Workload, batch: int, steps: int) -> di
 
 
 # ---- the run -------------------------------------------------------------------------------------
-def run(s: Settings, loaded: LoadedModel | None = None) -> dict:
+def run_dtypes(s: Settings, loaded: LoadedModel | None = None) -> dict:
+    """The whole benchmark once per dtype (the model loaded in it, or `loaded` cast to it): one record."""
     if s.threads:
         torch.set_num_threads(s.threads)
-    loaded = loaded or load_model(s.model)
+    by_dtype = {}
+    for dtype in s.dtypes:
+        model = in_dtype(loaded, dtype) if loaded is not None else load_model(s.model, dtype=dtype)
+        by_dtype[dtype] = run(s, model)
+        del model
+    settings = [r.pop("settings") for r in by_dtype.values()][0]
+    return {"benchmark": "engine", "dtypes": list(s.dtypes), "by_dtype": by_dtype, "settings": settings, "machine": machine_record()}
+
+
+def in_dtype(loaded: LoadedModel, dtype: str) -> LoadedModel:
+    """A copy of an in-memory model in `dtype` (tests; real runs load the model in each dtype)."""
+    model = copy.deepcopy(loaded.model).to(DTYPES[dtype])
+    return LoadedModel(model=model, tokenizer=loaded.tokenizer, path=loaded.path, dtype=DTYPES[dtype])
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def run(s: Settings, loaded: LoadedModel) -> dict:
+    """One dtype's section: every phase on `loaded` (and a transformers copy of it in the same dtype)."""
     config = loaded.config
     special = set(getattr(loaded.tokenizer, "all_special_ids", None) or [])
     w = make_workload(s, config.vocab_size, special)
@@ -160,7 +195,7 @@ def run(s: Settings, loaded: LoadedModel | None = None) -> dict:
     continuous = w.subset(s.continuous_requests) if s.continuous_requests else w
     decode_batch = min(s.decode_batch, max(s.num_requests, 1)) if s.quick else s.decode_batch
     machine = Machine()
-    result: dict = {"benchmark": "engine"}
+    result: dict = {"dtype": dtype_name(loaded.dtype)}
 
     engine = Engine(engine_config(s, loaded, w), loaded=loaded)
     with machine.phase("engine"):
@@ -185,10 +220,11 @@ def run(s: Settings, loaded: LoadedModel | None = None) -> dict:
         result["prefill_ceiling"] = run_prefill_ceiling(hf, s.max_num_batched_tokens, max(2, s.ceiling_iters // 3), config.vocab_size)
     del hf
 
+    result["workload_ceiling"] = workload_ceiling(result, w)
     result["ratios"] = _ratios(result)
     result["ratios_cpu_time"] = _ratios(result, "tokens_per_cpu_s")
-    result["workload_ceiling"] = workload_ceiling(result, w)
-    result["targets"] = {k: {"target": v, "measured": result["ratios"][k], "met": result["ratios"][k] >= v} for k, v in TARGETS.items()}
+    targets = TARGETS.get(result["dtype"], TARGETS["bfloat16"])
+    result["targets"] = {k: {"target": v, "measured": result["ratios"][k], "met": result["ratios"][k] >= v} for k, v in targets.items()}
     result["memory"] = {
         "peak_rss_bytes": peak_rss_bytes(),
         "peak_rss_after_engine_bytes": rss_after_engine,
@@ -197,7 +233,7 @@ def run(s: Settings, loaded: LoadedModel | None = None) -> dict:
         "kv_pool_blocks": kv_blocks,
     }
     result["settings"] = _settings_record(s, w, baseline, continuous, decode_batch)
-    result["machine"] = machine_record(machine)
+    result["load"] = machine.record()
     return result
 
 
@@ -207,6 +243,7 @@ def _ratios(r: dict, key: str = "tokens_per_s") -> dict:
         "engine_over_hf_static": round(engine / r["hf_static"][key], 2),
         "engine_over_hf_continuous": round(engine / r["hf_continuous"][key], 2),
         "engine_decode_b64_over_ceiling": round(r["engine_decode"][key] / r["matmul_ceiling"][key], 3),
+        "engine_over_bound": round(engine / r["workload_ceiling"]["useful_tokens_per_s"], 3),
     }
 
 
@@ -249,21 +286,33 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path]:
     p.add_argument("--decode-steps", type=int, default=None)
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     p.add_argument("--quick", action="store_true", help="small smoke run: 8 short requests, decode batch 8")
+    p.add_argument("--dtype", type=_dtypes, default=(auto_dtype("cpu"),),
+                   help=f"comma-separated dtypes to run the whole benchmark in, e.g. fp32,bf16 (default here: {auto_dtype('cpu')}, "
+                   "what engine.dtype: auto picks on this CPU)")
     a = p.parse_args(argv)
     if a.quick:
         s = Settings(
             model=a.model, num_requests=a.num_requests or 8, seed=a.seed, prompt_len=(8, 24), output_len=(4, 12),
             threads=a.threads or None, hf_batch_size=4, baseline_requests=a.baseline_requests,
             continuous_requests=a.continuous_requests or None, max_num_batched_tokens=64,
-            decode_batch=8, decode_steps=a.decode_steps or 3, ceiling_iters=3, quick=True,
+            decode_batch=8, decode_steps=a.decode_steps or 3, ceiling_iters=3, quick=True, dtypes=a.dtype,
         )
     else:
         s = Settings(
             model=a.model, num_requests=a.num_requests or 64, seed=a.seed, threads=a.threads or None,
             baseline_requests=a.baseline_requests, decode_steps=a.decode_steps or Settings.decode_steps,
             continuous_requests=Settings.continuous_requests if a.continuous_requests is None else (a.continuous_requests or None),
+            dtypes=a.dtype,
         )
     return s, a.out
+
+
+def _dtypes(text: str) -> tuple[str, ...]:
+    names = tuple(DTYPE_ALIASES.get(n.strip(), n.strip()) for n in text.split(",") if n.strip())
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"--dtype: {', '.join(bad) or 'nothing'} is not one of fp32, bf16, fp16 ({', '.join(DTYPES)})")
+    return tuple(dict.fromkeys(names))
 
 
 def write_result(result: dict, out: Path) -> None:
@@ -271,36 +320,13 @@ def write_result(result: dict, out: Path) -> None:
     out.write_text(json.dumps(result, indent=2) + "\n")
 
 
-def summary(r: dict) -> str:
-    lines = [
-        f"engine            {r['engine']['tokens_per_s']:9.1f} tok/s",
-        f"hf static         {r['hf_static']['tokens_per_s']:9.1f} tok/s",
-        f"hf continuous     {r['hf_continuous']['tokens_per_s']:9.1f} tok/s",
-        f"engine decode b{r['engine_decode']['batch']:<3}{r['engine_decode']['tokens_per_s']:9.1f} tok/s",
-        f"matmul ceiling    {r['matmul_ceiling']['tokens_per_s']:9.1f} tok/s (decode batch {r['matmul_ceiling']['batch']})",
-        f"prefill ceiling   {r['prefill_ceiling']['tokens_per_s']:9.1f} tok/s (prompt tokens, {r['prefill_ceiling']['tokens']}-token chunk)",
-    ]
-    for name, t in r["targets"].items():
-        lines.append(
-            f"{name:32s} {t['measured']:7.3f}  (target >= {t['target']}: {'met' if t['met'] else 'NOT met'}; "
-            f"per CPU-second {r['ratios_cpu_time'][name]:.3f})"
-        )
-    c = r["workload_ceiling"]
-    lines.append(
-        f"workload at the matmul ceiling   {c['useful_tokens_per_s']:7.1f} tok/s (engine reaches {c['engine_fraction']:.0%}; "
-        f"at most {c['max_possible_over_hf_static']:.1f}x hf static, {c['max_possible_over_hf_continuous']:.1f}x hf continuous)"
-    )
-    lines.append(r["machine"]["load_note"])
-    return "\n".join(lines)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     settings, out = parse_args(argv)
-    result = run(settings)
+    result = run_dtypes(settings)
     write_result(result, out)
     print(summary(result))
-    print(f"wrote {out}")
+    print(f"wrote {out} and {plot(result, out.with_suffix('.png'))}")
     return 0
 
 

@@ -4,7 +4,9 @@ output lengths), shared by every phase of `bench.engine` and by the transformers
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from common.hardware import auto_dtype
 
 
 @dataclass(frozen=True)
@@ -28,6 +30,8 @@ class Settings:
     decode_steps: int = 16
     ceiling_iters: int = 10
     quick: bool = False
+    dtypes: tuple[str, ...] = field(default_factory=lambda: (auto_dtype("cpu"),))
+    """The whole benchmark runs once per dtype (default: what `engine.dtype: auto` picks here)."""
 
 
 @dataclass(frozen=True)

@@ -54,6 +54,7 @@ from bench.kvmethods.base import BYTES_PER_TOKEN, ELEM, HEAD_DIM, HEADS, LAYERS,
 from bench.kvmethods.plain_socket import SocketMethod
 from bench.kvmethods.protocol import PROTOCOL_CONFIGS, ProtocolConfig, ProtocolMethod, bench_protocol
 from bench.kvmethods.raw_ucx import RAW_UCX_MODES, RawUcxMethod
+from common.hardware import cpu_info
 
 log = logging.getLogger("bench.kvtransfer")
 
@@ -104,6 +105,7 @@ def host_info() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpus": os.cpu_count(),
+        **cpu_info().record(),
         "platform": platform.platform(),
         "load_average": [round(x, 2) for x in os.getloadavg()],
     }

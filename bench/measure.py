@@ -14,6 +14,8 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from common.hardware import cpu_info
+
 
 class Machine:
     """How busy the rest of the machine was while a phase ran, from /proc/stat: CPU cores used by other
@@ -58,6 +60,9 @@ class Machine:
                 "loadavg_1m_end": round(os.getloadavg()[0], 2),
             }
 
+    def record(self) -> dict:
+        return {"phases": self.phases, "load_note": _load_note(self.phases)}
+
 
 def own_cpu_seconds() -> float:
     return time.process_time()  # all threads of this process
@@ -101,18 +106,17 @@ def progress_bar(desc: str, total: int, unit: str = "tok") -> tqdm:
     return tqdm(total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True, leave=True)
 
 
-def machine_record(machine: Machine) -> dict:
+def machine_record() -> dict:
+    """The host and the software versions (the CPU's model and the features that decide `dtype: auto`)."""
     import transformers
 
     return {
-        "cpu": cpu_name(),
+        **cpu_info().record(),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
-        "phases": machine.phases,
-        "load_note": _load_note(machine.phases),
     }
 
 
@@ -127,14 +131,3 @@ def _load_note(phases: dict[str, dict]) -> str:
     )
     verdict = "the machine was quiet" if busiest <= 0.25 else "figures of the busier phases are pessimistic (see tokens_per_cpu_s)"
     return f"CPU cores taken by other processes + hypervisor steal during each phase: {', '.join(parts) or 'unknown'}; {verdict}"
-
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown"

@@ -49,6 +49,7 @@ from bench.servebench.metrics import burst_itl, burst_windows, compute_metrics, 
 from bench.servebench.plots import plot_itl_timeline, plot_report
 from bench.servebench.records import CANCELLED, RequestRecord, streamed, token_stats
 from bench.servebench.workload import DEFAULT_VOCAB, RequestSpec, arrival_times, build_workload, parse_range
+from common.hardware import cpu_info
 
 log = logging.getLogger("bench.serve")
 __all__ = [
@@ -60,7 +61,7 @@ __all__ = [
 
 # ---- driver --------------------------------------------------------------------------------------
 def host_info() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+    return {"cpus": os.cpu_count(), **cpu_info().record(), "platform": platform.platform(), "python": platform.python_version(),
             "loadavg": [round(x, 2) for x in os.getloadavg()]}
 
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from common.hardware import auto_dtype
 from common.validation import ConfigError, is_number, non_negative_int, one_of, positive_int, reject_unknown
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 OPTIONAL = ("num_kv_blocks", "max_model_len", "num_threads")
 KV_POLICIES = ("max_utilization", "guaranteed_no_evict")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
     """Alias `smollm2-135m`, a local HF directory or a .gguf file."""
-    dtype: str = "float32"
+    dtype: str = "auto"
+    """Weights, activations and KV. `auto` is resolved when the config is built (`common.hardware.auto_dtype`):
+    bfloat16 on CUDA and on CPUs with AMX or AVX-512 BF16, float32 elsewhere; `dtype` then holds the result."""
     device: str = "cpu"
     block_size: int = 16
     kv_cache_memory_mb: int = 512
@@ -50,12 +54,13 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         self.validate()
+        if self.dtype == "auto":
+            object.__setattr__(self, "dtype", auto_dtype(self.device))
 
     def validate(self, prefix: str = "engine") -> None:
         if not isinstance(self.model, str) or not self.model:
             raise ConfigError(f"{prefix}.model", "must be a non-empty string")
-        if self.dtype not in ("float32", "bfloat16", "float16"):
-            raise ConfigError(f"{prefix}.dtype", f"must be float32, bfloat16 or float16, got {self.dtype!r}")
+        one_of(f"{prefix}.dtype", self.dtype, DTYPES)
         one_of(f"{prefix}.block_size", self.block_size, BLOCK_SIZES)
         if not (isinstance(self.device, str) and (self.device == "cpu" or self.device.split(":")[0] == "cuda")):
             raise ConfigError(f"{prefix}.device", f"must be cpu, cuda or cuda:N, got {self.device!r}")

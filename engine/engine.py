@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from common.engine_config import EngineConfig
+from common.hardware import cpu_info
 from engine.block_manager import BlockManager
 from engine.errors import InvalidRequestError
 from engine.kv_sink import KVLayerSink, SinkRequest, layer_hook
@@ -134,7 +135,9 @@ class Engine:
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self.counters = StepCounters()
-        log.info("engine ready: %s, %d KV blocks (%.0f MiB)", self.loaded.path, num_blocks, self.kv_cache.nbytes / 2**20)
+        cpu = cpu_info()
+        log.info("engine ready: %s, %s on %s, %d KV blocks (%.0f MiB); CPU %s, features %s", self.loaded.path, self.loaded.dtype,
+                 config.device, num_blocks, self.kv_cache.nbytes / 2**20, cpu.model, ",".join(cpu.features) or "none")
 
     # ---- request intake ------------------------------------------------------------------------
     def add_request(

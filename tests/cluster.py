@@ -102,7 +102,7 @@ def stop_process(proc: Proc, timeout: float = 20.0) -> None:
 
 def write_config(path: Path, transport: str = "ucx", **sections) -> Path:
     config = {
-        "engine": {"model": "smollm2-135m", "kv_cache_memory_mb": 128, "max_num_batched_tokens": 1024, "num_threads": 1},
+        "engine": {"model": "smollm2-135m", "dtype": "float32", "kv_cache_memory_mb": 128, "max_num_batched_tokens": 1024, "num_threads": 1},
         "kv_transfer": {"transport": transport, "timeout_s": 20},
         "router": {"max_queued_requests": 64},
     }

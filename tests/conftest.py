@@ -25,7 +25,7 @@ DEMO_PROMPTS = [
 
 @pytest.fixture(scope="session")
 def demo_model() -> LoadedModel:
-    return load_model("smollm2-135m")
+    return load_model("smollm2-135m", dtype="float32")  # the HF comparisons are token for token in float32
 
 
 @pytest.fixture(scope="session")
@@ -67,7 +67,9 @@ def hf_generate(model, prompt_ids: list[int], max_new_tokens: int, **generate_kw
 
 
 def make_engine(loaded: LoadedModel, **overrides) -> Engine:
+    """An engine on `loaded`, its config's dtype that of the loaded weights (not `auto`)."""
     overrides.setdefault("model", loaded.path)
+    overrides.setdefault("dtype", str(loaded.dtype).removeprefix("torch."))
     return Engine(EngineConfig(**overrides), loaded=loaded)
 
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from common.hardware import cpu_info
+
 REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 log = logging.getLogger("bench.experiments")
@@ -84,7 +86,7 @@ def machine() -> dict[str, Any]:
 
     info: dict[str, Any] = {
         "cpus": os.cpu_count(),
-        "cpu_model": _cpu_model(),
+        **cpu_info().record(),
         "platform": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
@@ -112,16 +114,6 @@ def save(name: str, report: dict[str, Any]) -> Path:
     path.write_text(json.dumps(report, indent=1) + "\n")
     log.info("wrote %s", path)
     return path
-
-
-def _cpu_model() -> str | None:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or None
 
 
 def _git_commit() -> str | None:

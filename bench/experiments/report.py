@@ -33,7 +33,7 @@ def fmt(x: float | None, digits: int = 1) -> str:
 
 def machine_line(report: dict[str, Any]) -> str:
     m = report["machine"]
-    return (f"Machine: {m.get('cpus')} x {m.get('cpu_model') or 'CPU'}, torch {m.get('torch')}, commit {m.get('git_commit')}; "
+    return (f"Machine: {m.get('cpus')} x {m.get('cpu') or m.get('cpu_model') or 'CPU'}, torch {m.get('torch')}, commit {m.get('git_commit')}; "
             f"load average (1/5/15 min) {'/'.join(map(str, m.get('loadavg_start', [])))} at start, "
             f"{'/'.join(map(str, m.get('loadavg_end', [])))} at end; took {m.get('duration_s')} s.")
 

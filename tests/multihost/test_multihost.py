@@ -36,7 +36,7 @@ def write_config(path: Path, transport: str, prefill_on: dict, decode_on: dict, 
                  secret: str | None = SECRET) -> Path:
     """`secret` None: no `security` section (the deployment generates its own secret)."""
     config = {
-        "engine": {"model": "smollm2-135m", "kv_cache_memory_mb": 96, "max_num_batched_tokens": 1024, "num_threads": 1},
+        "engine": {"model": "smollm2-135m", "dtype": "float32", "kv_cache_memory_mb": 96, "max_num_batched_tokens": 1024, "num_threads": 1},
         "kv_transfer": {"transport": transport, "timeout_s": KV_TIMEOUT_S},
         "router": {"resources": {"host_1": 0.5}, "prefill_retries": 3, "max_migrations": 3},
         "pools": {

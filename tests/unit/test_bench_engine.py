@@ -1,4 +1,5 @@
-"""`bench.engine --quick` runs end to end on a tiny in-memory Llama and writes a complete JSON.
+"""`bench.engine --quick --dtype fp32,bf16` runs end to end on a tiny in-memory Llama, once per dtype,
+and writes a complete JSON (one section per dtype) and its plot.
 
 No speed is asserted: only that every figure the benchmark reports is there and positive.
 """
@@ -11,6 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from bench import engine as bench_engine
+from bench.engine_report import plot
 from engine.model_loader import LoadedModel
 
 
@@ -28,34 +30,49 @@ def _tiny_llama() -> LoadedModel:
     return LoadedModel(model=LlamaForCausalLM(config).eval(), tokenizer=None, path="<in-memory>", dtype=torch.float32)
 
 
-def test_quick_bench_writes_every_figure(tmp_path):
+def test_quick_bench_writes_every_figure_per_dtype(tmp_path):
     out = tmp_path / "engine.json"
-    settings, path = bench_engine.parse_args(["--quick", "--threads", "1", "--out", str(out)])
+    settings, path = bench_engine.parse_args(["--quick", "--threads", "1", "--dtype", "fp32,bf16", "--out", str(out)])
+    assert settings.dtypes == ("float32", "bfloat16")
     threads = torch.get_num_threads()
     try:
-        result = bench_engine.run(settings, loaded=_tiny_llama())
+        result = bench_engine.run_dtypes(settings, loaded=_tiny_llama())
     finally:
         torch.set_num_threads(threads)  # the bench sets the process-wide count; leave other tests theirs
     bench_engine.write_result(result, path)
     data = json.loads(out.read_text())
 
+    assert data["dtypes"] == list(data["by_dtype"]) == ["float32", "bfloat16"]
+    for dtype, run in data["by_dtype"].items():
+        _check_dtype_section(run, data["settings"])
+        assert run["dtype"] == run["engine"]["engine_config"]["dtype"] == dtype
+        assert set(run["targets"]) == set(bench_engine.TARGETS[dtype])
+    machine = data["machine"]
+    assert machine["torch_threads"] == 1 == data["settings"]["threads"]
+    assert machine["cpu"] and machine["cpu_auto_dtype"] in ("float32", "bfloat16") and isinstance(machine["cpu_features"], list)
+    assert data["settings"]["quick"] is True and data["settings"]["num_requests"] == 8
+    assert "summary" not in data  # the summary goes to stdout only
+    text = bench_engine.summary(result)
+    assert "== float32" in text and "== bfloat16" in text and "engine_over_bound" in text
+    png = plot(result, tmp_path / "engine.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def _check_dtype_section(data: dict, settings: dict) -> None:
     for section in ("engine", "hf_static", "hf_continuous", "matmul_ceiling", "engine_decode"):
         assert data[section]["tokens_per_s"] > 0 and data[section]["tokens_per_cpu_s"] > 0, section
     assert data["prefill_ceiling"]["tokens_per_s"] > 0
-    assert data["engine"]["useful_tokens"] == data["settings"]["total_output_tokens"] > 0
+    assert data["engine"]["useful_tokens"] == settings["total_output_tokens"] > 0
     assert data["hf_static"]["useful_tokens"] == data["hf_continuous"]["useful_tokens"] > 0
     assert data["engine_decode"]["batch"] == data["matmul_ceiling"]["batch"] == 8
-    for name in ("engine_over_hf_static", "engine_over_hf_continuous", "engine_decode_b64_over_ceiling"):
+    for name in ("engine_over_hf_static", "engine_over_hf_continuous", "engine_decode_b64_over_ceiling", "engine_over_bound"):
         assert data["ratios"][name] > 0 and data["ratios_cpu_time"][name] > 0
-        assert data["targets"][name]["measured"] == data["ratios"][name]
-        assert isinstance(data["targets"][name]["met"], bool)
-    assert data["workload_ceiling"]["useful_tokens_per_s"] > 0 and data["workload_ceiling"]["engine_fraction"] > 0
+    for name, target in data["targets"].items():
+        assert target["measured"] == data["ratios"][name] and isinstance(target["met"], bool)
+    bound = data["workload_ceiling"]
+    assert bound["useful_tokens_per_s"] > 0
+    assert data["ratios"]["engine_over_bound"] == round(data["engine"]["tokens_per_s"] / bound["useful_tokens_per_s"], 3)
     memory = data["memory"]
     assert memory["peak_rss_bytes"] > 0 and memory["kv_pool_bytes"] > 0 and memory["kv_pool_blocks"] > 0
-    machine = data["machine"]
-    assert machine["torch_threads"] == 1 == data["settings"]["threads"]
-    assert set(machine["phases"]) == {"engine", "engine_decode", "hf_static", "hf_continuous", "matmul_ceiling", "prefill_ceiling"}
-    assert machine["load_note"]
-    assert data["settings"]["quick"] is True and data["settings"]["num_requests"] == 8
-    assert "summary" not in data  # the summary goes to stdout only
-    assert bench_engine.summary(result)
+    assert set(data["load"]["phases"]) == {"engine", "engine_decode", "hf_static", "hf_continuous", "matmul_ceiling", "prefill_ceiling"}
+    assert data["load"]["load_note"]

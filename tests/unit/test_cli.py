@@ -5,10 +5,12 @@ from __future__ import annotations
 import json
 
 from deploy.cli import main
+from tests.cluster import write_config
 
 
-def test_generate_local_json_raw(capsys, demo_model, hf_greedy):
-    assert main(["generate", "The capital of France is", "--local", "--raw", "--json", "--max-tokens", "8"]) == 0
+def test_generate_local_json_raw(capsys, demo_model, hf_greedy, tmp_path):
+    config = str(write_config(tmp_path / "pdserve.yaml"))  # dtype float32, as the HF reference
+    assert main(["generate", "The capital of France is", "--local", "-c", config, "--raw", "--json", "--max-tokens", "8"]) == 0
     result = json.loads(capsys.readouterr().out)
     assert result["prompt_token_ids"] == demo_model.tokenizer("The capital of France is")["input_ids"]
     assert result["token_ids"] == hf_greedy(tuple(result["prompt_token_ids"]), 8)

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from common import hardware
 from common.config import ConfigError, config_from_dict, load_config
+from common.engine_config import EngineConfig
 
 
 def test_default_config_loads():
@@ -22,6 +24,7 @@ def test_default_config_loads():
         ({"engine": {"bogus": 1}}, "engine.bogus"),
         ({"engine": {"block_size": 7}}, "engine.block_size"),
         ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
+        ({"engine": {"dtype": "fp8"}}, "engine.dtype"),
         ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport"),
         ({"router": {"grpc_port": 70000}}, "router.grpc_port"),
         ({"router": {"policy": "random"}}, "router.policy"),
@@ -46,3 +49,26 @@ def test_bad_yaml_is_reported(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.field == "config"
+
+
+@pytest.mark.parametrize("features, device, resolved", [
+    (("avx2", "avx512f", "avx512_bf16"), "cpu", "bfloat16"),
+    (("avx2", "amx_tile", "amx_bf16"), "cpu", "bfloat16"),
+    (("avx2", "avx512f"), "cpu", "float32"),
+    ((), "cuda:1", "bfloat16"),
+])
+def test_auto_dtype_resolves_once_from_the_cpu_features(monkeypatch, features, device, resolved):
+    monkeypatch.setattr(hardware, "cpu_info", lambda: hardware.CpuInfo("test cpu", features))
+    config = config_from_dict({"engine": {"device": device}}).engine
+    assert config.dtype == resolved  # resolved when built: every reader sees the concrete dtype
+    assert config_from_dict({"engine": {"dtype": "auto", "device": device}}).engine.dtype == resolved
+    for explicit in ("float32", "bfloat16", "float16"):
+        assert EngineConfig(dtype=explicit, device=device).dtype == explicit
+
+
+def test_cpu_info_reads_this_host():
+    info = hardware.cpu_info()
+    assert info.model and set(info.features) <= set(hardware.RELEVANT_FEATURES)
+    record = info.record()
+    assert record["cpu"] == info.model and record["cpu_auto_dtype"] == hardware.auto_dtype("cpu")
+    assert record["cpu_auto_dtype"] == ("bfloat16" if set(info.features) & set(hardware.BF16_FEATURES) else "float32")

@@ -30,7 +30,7 @@ class CollectingSink:
 
 
 def prefill_engine(demo_model, sink: CollectingSink) -> Engine:
-    return Engine(EngineConfig(model=demo_model.path, max_model_len=256), loaded=demo_model, kv_sink=sink)
+    return Engine(EngineConfig(model=demo_model.path, dtype="float32", max_model_len=256), loaded=demo_model, kv_sink=sink)
 
 
 async def test_prefill_sink_then_remote_decode_matches_hf(demo_model, demo_prompt_ids, hf_greedy):

@@ -127,7 +127,7 @@ def test_decode_engine_forks_a_received_prompt(demo_model, demo_prompt_ids, hf_g
     """The prefill engine runs the prompt once (n ignored: prefill only) and samples sequence 0's first
     token; the decode engine receives one KV and forks the others from it."""
     prompt, params = demo_prompt_ids[3], SamplingParams(max_tokens=MAX_NEW, n=3)
-    prefill = Engine(EngineConfig(model=demo_model.path, max_model_len=256), loaded=demo_model)
+    prefill = Engine(EngineConfig(model=demo_model.path, dtype="float32", max_model_len=256), loaded=demo_model)
     prefill.add_request("r", prompt, params, prefill_only=True)
     first = prefill.step()
     assert [(o.index, o.finished) for o in first] == [(0, True)]

@@ -33,7 +33,7 @@ MAX_NEW = 20
 
 def tp_engine(model: str, size: int, **overrides) -> Engine:
     overrides.setdefault("num_kv_blocks", 64)
-    return Engine(EngineConfig(model=model, tensor_parallel_size=size, num_threads=1, **overrides))
+    return Engine(EngineConfig(model=model, dtype="float32", tensor_parallel_size=size, num_threads=1, **overrides))
 
 
 def generate_all(engine: Engine, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
@@ -126,7 +126,7 @@ def test_tensor_parallel_size_is_set_per_pool():
 
 def test_generate_local_with_a_tp2_config_matches_hf(qwen2, tmp_path):
     config = tmp_path / "tp.yaml"
-    config.write_text(yaml.safe_dump({"engine": {"model": qwen2, "num_kv_blocks": 64},
+    config.write_text(yaml.safe_dump({"engine": {"model": qwen2, "dtype": "float32", "num_kv_blocks": 64},
                                       "pools": {"decode": {"tensor_parallel_size": 2, "num_threads": 1}}}))
     started = time.monotonic()
     done = subprocess.run(
