@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from common.engine_config import EngineConfig
+from common.validation import ConfigError
 from engine import SamplingParams
 from engine.model_loader import LoadedModel
 from engine.sequence import Sequence
@@ -101,3 +104,19 @@ def test_speculator_declines_requests_it_cannot_verify_losslessly():
     assert may_speculate(Sequence("a", [1], SamplingParams()))
     for params in (SamplingParams(logprobs=0), SamplingParams(repetition_penalty=1.1), SamplingParams(min_tokens=2)):
         assert not may_speculate(Sequence("a", [1], params))
+
+
+@pytest.mark.parametrize("section,field", [
+    ({"method": "medusa"}, "engine.speculative.method"),
+    ({"num_speculative_tokens": 0}, "engine.speculative.num_speculative_tokens"),
+    ({"ngram_min": 3, "ngram_max": 2}, "engine.speculative.ngram_max"),
+    ({"adaptive": "yes"}, "engine.speculative.adaptive"),
+    ({"lookahead": 2}, "engine.speculative.lookahead"),
+    ("ngram", "engine.speculative"),
+])
+def test_bad_speculative_config_names_the_field(section, field):
+    with pytest.raises(ConfigError) as err:
+        EngineConfig.from_dict({"speculative": section})
+    assert err.value.field == field
+    assert EngineConfig.from_dict({"speculative": {"method": "ngram", "num_speculative_tokens": 6}}).speculative.num_speculative_tokens == 6
+    assert not EngineConfig().speculative.enabled
