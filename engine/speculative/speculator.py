@@ -110,8 +110,8 @@ class Speculator:
         self.stats.steps += verified > 0
         return results
 
-    def record_step(self, num_tokens: int, seconds: float) -> None:
-        self.switch.cost.record(num_tokens, seconds)
+    def record_step(self, num_tokens: int, speculative: bool, seconds: float) -> None:
+        self.switch.cost.record(num_tokens, speculative, seconds)
 
     def release_unused(self, seq: Sequence) -> None:
         self.blocks.shrink(seq, seq.num_tokens)

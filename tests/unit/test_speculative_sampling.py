@@ -16,7 +16,7 @@ from engine.model_loader import LoadedModel
 from engine.sequence import Sequence
 from engine.speculative import NgramProposer
 from engine.speculative.speculator import may_speculate
-from engine.speculative.switch import PROBE_EVERY, SpeculationSwitch
+from engine.speculative.switch import PROBE_EVERY, SpeculationSwitch, StepCostModel
 from tests.conftest import assert_no_leaked_blocks, make_engine, run_to_completion
 
 VOCAB = 8
@@ -84,20 +84,32 @@ def test_ngram_proposer_follows_the_latest_earlier_occurrence():
     assert proposer.propose("r", [6, 6, 6], 3) == [6]  # an occurrence overlapping the suffix
 
 
-def test_switch_turns_speculation_off_when_verified_tokens_cost_as_much_as_steps():
+def test_switch_turns_speculation_off_when_verified_tokens_cost_more_than_they_bring():
     switch = SpeculationSwitch(adaptive=True)
     proposals = {f"r{i}": [1, 2, 3] for i in range(8)}
     assert len(switch.choose(8, 8, proposals)) == 8, "with no timings it measures: everything speculates"
-    for tokens in (8, 16, 32):  # decode-bound: a step costs the same whatever its size
-        switch.cost.record(tokens, 0.02)
+    for tokens in (8, 16, 40):  # decode-bound: a step costs about the same whatever its size
+        switch.cost.record(tokens, False, 0.020)
+        switch.cost.record(tokens, True, 0.021)
     assert switch.choose(8, 8, proposals) == {rid: 3 for rid in proposals}
-    for tokens in (8, 16, 32) * 40:  # compute-bound: time proportional to tokens (the averages converge)
-        switch.cost.record(tokens, 0.001 * tokens)
+    for tokens in (8, 16, 40) * 40:  # compute-bound: time proportional to tokens (the averages converge)
+        switch.cost.record(tokens, False, 0.001 * tokens)
+        switch.cost.record(tokens, True, 0.001 * tokens)
     assert switch.choose(8, 8, proposals) == {}
     for i in range(8):
         switch.acceptance.record(f"r{i}", 3, 0)
     probes = [chosen for chosen in (switch.choose(8, 8, proposals) for _ in range(PROBE_EVERY)) if chosen]
     assert len(probes) == 1 and len(probes[0]) == 1, "every PROBE_EVERY idle steps one sequence speculates to re-measure acceptance"
+
+
+def test_cost_model_interpolates_and_extrapolates():
+    cost = StepCostModel()
+    assert cost.curve(speculative=True) is None
+    for tokens, seconds in ((2, 0.15), (6, 0.17), (10, 0.19)):
+        cost.record(tokens, True, seconds)
+    spec = cost.curve(speculative=True)
+    assert spec(6) == 0.17 and abs(spec(4) - 0.16) < 1e-9 and abs(spec(14) - 0.21) < 1e-9
+    assert cost.curve(speculative=False) is None, "plain and speculative steps are timed apart"
 
 
 def test_speculator_declines_requests_it_cannot_verify_losslessly():
