@@ -246,7 +246,7 @@ class Engine:
         seconds = time.perf_counter() - started
         self.counters.record(ordered, sum(map(len, samples)), seconds)
         if self.speculator:
-            self.speculator.record_step(sum(item.num_tokens for item in items), bool(proposals), seconds)
+            self.speculator.record_step(sum(item.num_tokens for item in items), len(proposals), seconds)
         for item in ordered:
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)

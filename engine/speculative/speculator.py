@@ -110,8 +110,8 @@ class Speculator:
         self.stats.steps += verified > 0
         return results
 
-    def record_step(self, num_tokens: int, speculative: bool, seconds: float) -> None:
-        self.switch.cost.record(num_tokens, speculative, seconds)
+    def record_step(self, num_tokens: int, num_verifying: int, seconds: float) -> None:
+        self.switch.cost.record(num_tokens, num_verifying, seconds)
 
     def release_unused(self, seq: Sequence) -> None:
         self.blocks.shrink(seq, seq.num_tokens)

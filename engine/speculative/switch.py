@@ -1,16 +1,16 @@
 """The on/off switch: speculate only while the measured cost model says it pays.
 
-A step's wall time grows with the tokens in it: `StepCostModel` keeps the recent mean time of steps
-per token count, for plain steps and for steps that verify proposals, and estimates the cost of a
-step of any size from them. `AcceptanceTracker` keeps the measured
-acceptance rate, globally and per sequence (shrunk towards the global rate until the sequence has
-history). Each step, `SpeculationSwitch.choose` ranks every candidate proposed token by its
-probability of being kept (alpha^j for the j-th token of a sequence with rate alpha) and keeps the
-best-ranked m that maximise expected tokens per second, (outputs + kept gain) / t_spec(T0 + m) against
-outputs / t_plain(T0): at low
-load a verified token costs almost nothing and all pay; at a large batch or token budget none does.
-Until it has timings to estimate from it keeps everything (to measure); when it has kept nothing
-for `PROBE_EVERY` steps it keeps one sequence's proposal to refresh the acceptance it relies on.
+`StepCostModel` times the engine's steps: plain steps give the mean step time per token count
+(interpolated between counts), verifying steps the overhead a verifying sequence adds beyond its
+tokens. `AcceptanceTracker` keeps the measured acceptance rate, globally and per sequence (shrunk
+towards the global rate until the sequence has history). Each step, `SpeculationSwitch.choose` ranks
+every candidate proposed token by its probability of being kept (alpha^j for the j-th token of a
+sequence with rate alpha) and keeps the best-ranked m that maximise expected tokens per second:
+(outputs + kept gain) / (t(T0 + m) + overhead * sequences verifying) against outputs / t(T0). At low
+load a verified token costs little and all pay; at a large batch or token budget none does. Until
+plain steps have been timed it does not speculate; until the overhead is known, and every
+`PROBE_EVERY` steps it kept nothing, it verifies one sequence's proposal (to measure the overhead and
+refresh the acceptance rate it relies on; cheap at any load).
 """
 
 from __future__ import annotations
@@ -29,27 +29,33 @@ MAX_POINTS = 64
 
 
 class StepCostModel:
-    """Mean step time per token count, kept apart for steps with and without verified proposals (on a
-    CPU a step's first extra token costs more than the next ones: it leaves the matrix-vector kernels;
-    a verified sequence also takes the chunk attention path). Estimates interpolate between measured
-    token counts and extrapolate with the least-squares slope."""
+    """Plain steps: mean step time per token count, interpolated between counts (extrapolated with the
+    least-squares slope). Verifying steps cost that plus an overhead per verifying sequence, measured
+    (on a CPU the first extra token of a step leaves the matrix-vector kernels, and each verifying
+    sequence takes the chunk attention path)."""
 
     def __init__(self):
-        self._means: dict[bool, OrderedDict[int, float]] = {False: OrderedDict(), True: OrderedDict()}
+        self._means: OrderedDict[int, float] = OrderedDict()
+        self.overhead: float | None = None
+        """Seconds a verifying sequence adds to a step beyond its tokens; None until measured."""
 
-    def record(self, num_tokens: int, speculative: bool, seconds: float) -> None:
-        means = self._means[speculative]
-        old = means.pop(num_tokens, None)
-        means[num_tokens] = seconds if old is None else old + EMA * (seconds - old)
-        if len(means) > MAX_POINTS:
-            means.popitem(last=False)
+    def record(self, num_tokens: int, num_verifying: int, seconds: float) -> None:
+        if num_verifying:
+            plain = self.curve()
+            if plain is not None:
+                extra = (seconds - plain(num_tokens)) / num_verifying
+                self.overhead = extra if self.overhead is None else self.overhead + EMA * (extra - self.overhead)
+            return
+        old = self._means.pop(num_tokens, None)
+        self._means[num_tokens] = seconds if old is None else old + EMA * (seconds - old)
+        if len(self._means) > MAX_POINTS:
+            self._means.popitem(last=False)
 
-    def curve(self, speculative: bool) -> Callable[[int], float] | None:
-        """Expected seconds of a step of T tokens, as a function of T; None until two token counts were timed."""
-        means = self._means[speculative]
-        if len(means) < 2:
+    def curve(self) -> Callable[[int], float] | None:
+        """Expected seconds of a plain step of T tokens, as a function of T; None until two token counts were timed."""
+        if len(self._means) < 2:
             return None
-        points = sorted(means.items())
+        points = sorted(self._means.items())
         xs = [x for x, _ in points]
         slope = _slope(points)
 
@@ -110,24 +116,32 @@ class SpeculationSwitch:
         base_tokens: the step's tokens without proposals; num_outputs: sequences sampling in it."""
         gains = sorted(((self.acceptance.rate_of(rid) ** j, rid) for rid, p in proposals.items() for j in range(1, len(p) + 1)),
                        reverse=True)
-        plain, spec = self.cost.curve(speculative=False), self.cost.curve(speculative=True)
-        if not self.adaptive or plain is None or spec is None:
-            return {rid: len(p) for rid, p in proposals.items() if p}  # (also: measure what it costs)
-        best_m, best, gain = 0, num_outputs / max(plain(base_tokens), 1e-9), 0.0
-        for m, (g, _) in enumerate(gains, 1):
+        plain = self.cost.curve()
+        if not self.adaptive:
+            return {rid: len(p) for rid, p in proposals.items() if p}
+        if plain is None:
+            return {}  # time plain steps first
+        if self.cost.overhead is None:
+            return self._probe(gains, proposals)  # measure with one sequence: cheap at any load
+        best_m, best, gain, seqs = 0, num_outputs / max(plain(base_tokens), 1e-9), 0.0, set()
+        for m, (g, rid) in enumerate(gains, 1):
             gain += g
-            rate = (num_outputs + gain) / max(spec(base_tokens + m), 1e-9)
+            seqs.add(rid)
+            rate = (num_outputs + gain) / max(plain(base_tokens + m) + self.cost.overhead * len(seqs), 1e-9)
             if rate > best:
                 best_m, best = m, rate
         if best_m == 0 and gains:
             self._idle_steps += 1
             if self._idle_steps >= PROBE_EVERY:
-                self._idle_steps = 0
-                rid = gains[0][1]
-                return {rid: len(proposals[rid])}
+                return self._probe(gains, proposals)
             return {}
         self._idle_steps = 0
         chosen: dict[str, int] = {}
         for _, rid in gains[:best_m]:
             chosen[rid] = chosen.get(rid, 0) + 1
         return chosen
+
+    def _probe(self, gains: list[tuple[float, str]], proposals: dict[str, list[int]]) -> dict[str, int]:
+        self._idle_steps = 0
+        rid = gains[0][1] if gains else None
+        return {rid: len(proposals[rid])} if rid is not None else {}

@@ -84,17 +84,17 @@ def test_ngram_proposer_follows_the_latest_earlier_occurrence():
     assert proposer.propose("r", [6, 6, 6], 3) == [6]  # an occurrence overlapping the suffix
 
 
-def test_switch_turns_speculation_off_when_verified_tokens_cost_more_than_they_bring():
+def test_switch_measures_then_turns_speculation_off_when_verified_tokens_cost_more_than_they_bring():
     switch = SpeculationSwitch(adaptive=True)
     proposals = {f"r{i}": [1, 2, 3] for i in range(8)}
-    assert len(switch.choose(8, 8, proposals)) == 8, "with no timings it measures: everything speculates"
-    for tokens in (8, 16, 40):  # decode-bound: a step costs about the same whatever its size
-        switch.cost.record(tokens, False, 0.020)
-        switch.cost.record(tokens, True, 0.021)
+    assert switch.choose(8, 8, proposals) == {}, "plain steps are timed first"
+    for tokens in (8, 16, 40):  # decode-bound: a plain step costs about the same whatever its size
+        switch.cost.record(tokens, 0, 0.020)
+    assert len(switch.choose(8, 8, proposals)) == 1, "then one sequence verifies, to measure the overhead"
+    switch.cost.record(11, 1, 0.021)
     assert switch.choose(8, 8, proposals) == {rid: 3 for rid in proposals}
     for tokens in (8, 16, 40) * 40:  # compute-bound: time proportional to tokens (the averages converge)
-        switch.cost.record(tokens, False, 0.001 * tokens)
-        switch.cost.record(tokens, True, 0.001 * tokens)
+        switch.cost.record(tokens, 0, 0.001 * tokens)
     assert switch.choose(8, 8, proposals) == {}
     for i in range(8):
         switch.acceptance.record(f"r{i}", 3, 0)
@@ -102,14 +102,15 @@ def test_switch_turns_speculation_off_when_verified_tokens_cost_more_than_they_b
     assert len(probes) == 1 and len(probes[0]) == 1, "every PROBE_EVERY idle steps one sequence speculates to re-measure acceptance"
 
 
-def test_cost_model_interpolates_and_extrapolates():
+def test_cost_model_interpolates_plain_steps_and_measures_the_verification_overhead():
     cost = StepCostModel()
-    assert cost.curve(speculative=True) is None
+    assert cost.curve() is None
     for tokens, seconds in ((2, 0.15), (6, 0.17), (10, 0.19)):
-        cost.record(tokens, True, seconds)
-    spec = cost.curve(speculative=True)
-    assert spec(6) == 0.17 and abs(spec(4) - 0.16) < 1e-9 and abs(spec(14) - 0.21) < 1e-9
-    assert cost.curve(speculative=False) is None, "plain and speculative steps are timed apart"
+        cost.record(tokens, 0, seconds)
+    plain = cost.curve()
+    assert plain(6) == 0.17 and abs(plain(4) - 0.16) < 1e-9 and abs(plain(14) - 0.21) < 1e-9
+    cost.record(14, 2, 0.31)
+    assert abs(cost.overhead - 0.05) < 1e-9 and cost.curve()(14) == plain(14), "verifying steps do not enter the plain curve"
 
 
 def test_speculator_declines_requests_it_cannot_verify_losslessly():
