@@ -16,11 +16,13 @@ refresh the acceptance rate it relies on; cheap at any load).
 from __future__ import annotations
 
 import bisect
-from collections import OrderedDict
+import statistics
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-PROBE_EVERY = 64
+PROBE_EVERY = 16
+OVERHEAD_SAMPLES = 15
 EMA = 0.2
 """Weight of the newest measurement in a moving average."""
 PRIOR_WEIGHT = 4.0
@@ -36,15 +38,19 @@ class StepCostModel:
 
     def __init__(self):
         self._means: OrderedDict[int, float] = OrderedDict()
-        self.overhead: float | None = None
-        """Seconds a verifying sequence adds to a step beyond its tokens; None until measured."""
+        self._overheads: deque[float] = deque(maxlen=OVERHEAD_SAMPLES)
+
+    @property
+    def overhead(self) -> float | None:
+        """Seconds a verifying sequence adds to a step beyond its tokens (the median of recent
+        measurements: one step slowed by a neighbour must not turn speculation off); None until measured."""
+        return statistics.median(self._overheads) if self._overheads else None
 
     def record(self, num_tokens: int, num_verifying: int, seconds: float) -> None:
         if num_verifying:
             plain = self.curve()
             if plain is not None:
-                extra = (seconds - plain(num_tokens)) / num_verifying
-                self.overhead = extra if self.overhead is None else self.overhead + EMA * (extra - self.overhead)
+                self._overheads.append((seconds - plain(num_tokens)) / num_verifying)
             return
         old = self._means.pop(num_tokens, None)
         self._means[num_tokens] = seconds if old is None else old + EMA * (seconds - old)
