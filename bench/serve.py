@@ -92,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stop-after-bursts", type=float, default=None, metavar="S",
                    help="S seconds after the last burst request finished, cancel the main requests still streaming "
                         "(their chunks still count for ITL) and drop those not sent")
+    p.add_argument("--high-priority-fraction", type=float, default=0.0, metavar="F",
+                   help="share of the main requests sent with --high-priority (the rest: 0); reports metrics per priority")
+    p.add_argument("--high-priority", type=int, default=10, help="the priority of those requests (higher first)")
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="generate exactly max_tokens (where the server supports it)")
@@ -143,6 +146,10 @@ async def _run_all(args: argparse.Namespace, slos: dict[str, float], percentiles
                 run["metrics_by_group"] = {
                     g: compute_metrics([r for r in raw if r["group"] == g], duration, slos, percentiles) for g in ("main", "burst")}
                 run["burst_itl"] = burst_itl(raw, burst_windows(raw), percentiles)
+            if args.high_priority_fraction:
+                run["metrics_by_priority"] = {str(p): compute_metrics([r for r in raw if r["group"] == "main" and r["priority"] == p],
+                                                                      duration, slos, percentiles)
+                                              for p in sorted({r["priority"] for r in raw if r["group"] == "main"})}
             run["requests"] = raw
             runs.append(run)
             _print_run(run)
@@ -160,6 +167,9 @@ def _print_run(run: dict) -> None:
         s = m[key]
         if s["count"]:
             lines.append(f"   {key[:-3]:5s} mean {s['mean']:8.1f}  median {s['median']:8.1f}  p90 {s.get('p90') or 0:8.1f}  p99 {s.get('p99') or 0:8.1f} ms")
+    for priority, pm in (run.get("metrics_by_priority") or {}).items():
+        t = pm["ttft_ms"]
+        lines.append(f"   priority {priority:>5s}: {pm['completed']} ok, TTFT median {t['median'] or 0:8.1f}  p99 {t.get('p99') or 0:8.1f} ms")
     b = run.get("burst_itl")
     if b:
         lines.append(f"   ITL outside bursts p50 {b['outside_ms']['median'] or 0:.1f} p99 {b['outside_ms'].get('p99') or 0:.1f} ms; "

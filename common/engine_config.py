@@ -12,6 +12,7 @@ from common.validation import ConfigError, is_number, non_negative_int, one_of, 
 
 BLOCK_SIZES = (8, 16, 32, 64, 128)
 OPTIONAL = ("num_kv_blocks", "max_model_len", "num_threads")
+KV_POLICIES = ("max_utilization", "guaranteed_no_evict")
 
 
 SPECULATIVE_METHODS = ("off", "ngram")
@@ -76,6 +77,10 @@ class EngineConfig:
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
     enable_prefix_caching: bool = True
+    kv_policy: str = "max_utilization"
+    """KV admission: `max_utilization` admits while blocks for the next chunk are free and preempts
+    (recompute) when the pool runs dry; `guaranteed_no_evict` admits a request only when blocks for its
+    prompt + max_tokens are free beyond what admitted requests may still take, and never preempts."""
     num_threads: int | None = None
     """torch intra-op threads; None keeps torch's default."""
     seed: int = 0
@@ -100,6 +105,7 @@ class EngineConfig:
         if fraction is not None and (not is_number(fraction) or not 0 < fraction < 1):
             raise ConfigError(f"{prefix}.kv_cache_memory_fraction", f"must be a number in (0, 1), got {fraction!r}")
         non_negative_int(f"{prefix}.cuda_graph_max_batch", self.cuda_graph_max_batch)
+        one_of(f"{prefix}.kv_policy", self.kv_policy, KV_POLICIES)
         for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads",
                      "tensor_parallel_size"):
             positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)

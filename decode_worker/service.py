@@ -12,6 +12,9 @@ Life of one `Decode` call (remote prefill):
 With `n` > 1 the one received prompt is forked into n sequences by the engine (sequence 0 starts from
 the trailer's first token); chunks and one `DecodeFinished` per sequence carry its index.
 With `local_prefill` the worker prefills the prompt itself (conditional disaggregation).
+Timings (`StageTimings` on each `DecodeFinished`, this process's clock): the wait for blocks
+(`decode_admission_s`) and for the KV (`kv_transfer_s`); with local prefill the prompt's queue and
+compute (`prefill_queue_s`, `prefill_compute_s`), which the router carries into the critical path.
 A cancelled call (router gone, deadline) aborts the request on the engine and the receiver.
 A `FaultPoint` (tests only, given by the worker's main) may stall the process at a named point.
 Tracing: the call is the span `decode` (under the router's `generate`, from the call's metadata); the
@@ -38,7 +41,7 @@ from engine.errors import InvalidRequestError
 from engine.sampler import Sample
 from kvtransfer import KVEndpoint, KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, finish_reason_to_proto, sampling_or_abort, worker_stats
+from proto.convert import chunk_from_output, finish_reason_to_proto, prefill_timings, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -76,13 +79,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         request_id = request.request_id or uuid.uuid4().hex
         with server_span("decode", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids),
-                         local_prefill=request.local_prefill) as call_span:
+                         local_prefill=request.local_prefill, priority=request.priority) as call_span:
             params = await sampling_or_abort(request.sampling, context)
             await self.gate.enter(context)
             try:
                 if request.local_prefill:
-                    responses = self._stream(request_id, self.engine.generate(request_id, list(request.token_ids), params),
-                                             time.monotonic(), context)
+                    generated = self.engine.generate(request_id, list(request.token_ids), params, priority=request.priority)
+                    responses = self._stream(request_id, generated, time.monotonic(), context, pb.StageTimings(local_prefill=True))
                 else:
                     responses = self._remote(request_id, request, params, context, call_span)
                 async for response in responses:
@@ -96,7 +99,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         started = time.monotonic()
         prompt = list(request.token_ids)
         try:
-            blocks = await self._reserve(request_id, prompt, params, context)
+            blocks = await self._reserve(request_id, prompt, params, request.priority, context)
         except asyncio.CancelledError:  # the reservation may land after the cancel: undo it
             await self.engine.abort(request_id)
             raise
@@ -179,11 +182,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             expected.exception()  # retrieved: the outcome was logged where it happened
         await self.engine.abort(request_id)
 
-    async def _reserve(self, request_id, prompt, params, context) -> list[int]:
+    async def _reserve(self, request_id, prompt, params, priority, context) -> list[int]:
         deadline = time.monotonic() + self.admission_timeout_s
         while True:
             try:
-                blocks = await self.engine.reserve_remote_kv(request_id, prompt, params)
+                blocks = await self.engine.reserve_remote_kv(request_id, prompt, params, priority)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             if blocks is not None:
@@ -192,11 +195,14 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
             await asyncio.sleep(0.02)
 
-    async def _stream(self, request_id, outputs, started, context, timings=None) -> AsyncIterator[pb.DecodeResponse]:
-        """Engine outputs -> chunks, then one finish message per sequence (its usage counts its tokens)."""
+    async def _stream(self, request_id, outputs, started, context, timings: pb.StageTimings) -> AsyncIterator[pb.DecodeResponse]:
+        """Engine outputs -> chunks, then one finish message per sequence (its usage counts its tokens and
+        `timings` what this worker measured: with local prefill, the prompt's queue and compute)."""
         usages: dict[int, pb.Usage] = {}
         try:
             async for out in outputs:
+                if timings.local_prefill and not timings.prefill_compute_s and out.new_token_ids:
+                    timings.MergeFrom(prefill_timings(started, out, time.monotonic()))
                 usage = usages.setdefault(out.index, pb.Usage())
                 usage.prompt_tokens = out.num_prompt_tokens or usage.prompt_tokens
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
@@ -205,9 +211,9 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                     yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
                     reached(self.fault_point, "decode.after_tokens", request_id, usage.completion_tokens)
                 if out.finished:
-                    t = timings or pb.StageTimings()
-                    t.e2e_s = time.monotonic() - started
-                    finished = pb.DecodeFinished(finish_reason=finish_reason_to_proto(out.finish_reason), usage=usage, timings=t, index=out.index)
+                    timings.e2e_s = time.monotonic() - started
+                    finished = pb.DecodeFinished(finish_reason=finish_reason_to_proto(out.finish_reason), usage=usage, timings=timings,
+                                                 index=out.index)
                     yield pb.DecodeResponse(request_id=request_id, finished=finished)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))

@@ -175,7 +175,7 @@ class RouterActor:
 
         async def read() -> dict[str, Any]:
             return {"draining": router.draining, "in_flight_requests": router.admission.requests,
-                    "in_flight_prompt_tokens": router.admission.tokens}
+                    "in_flight_prompt_tokens": router.admission.tokens, "critical_path": router.metrics.critical_path.breakdown()}
 
         return self.server.call(read, timeout_s=10.0)
 

@@ -118,9 +118,26 @@ def format_status(report: dict) -> str:
             lines.append(f"  {w['id']:<12} {w['address'] or '-':<22} {w['health']:<10} in_flight={w['in_flight']} "
                          f"queued={w['queued_requests']} ({w['queued_prompt_tokens']} tok) running={w['running_requests']} "
                          f"kv={100 * w['kv_usage']:.0f}%")
+    lines.extend(format_critical_path(r.get("critical_path")))
     scaler = report.get("autoscaler", {})
     lines.append(f"autoscaler {'on' if scaler.get('enabled') else 'off'}")
     for event in report.get("events", [])[-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         lines.append(f"  {when} {event['pool']}: {event.get('from', '?')} -> {event.get('to', '?')} ({event['reason']})")
     return "\n".join(lines)
+
+
+def format_critical_path(cp: dict | None) -> list[str]:
+    """The router's critical-path breakdown (router.critical_path.CriticalPathWindow.breakdown) and verdict."""
+    if not cp:
+        return []
+    lines = [f"critical path  last {cp['window_s']:g} s: {cp['requests']} request(s), {cp['local_prefill']} prefilled locally"]
+    if cp["stages"]:
+        lines.append(f"  {'stage':<18}{'p50 ms':>9}{'mean ms':>9}{'share':>8}")
+        for stage, f in cp["stages"].items():
+            lines.append(f"  {stage:<18}{f['p50_s'] * 1e3:>9.1f}{f['mean_s'] * 1e3:>9.1f}{f['share']:>8.1%}")
+        lines.append(f"  e2e p50 {cp['e2e']['p50_s'] * 1e3:.0f} ms  ttft p50 {cp['ttft']['p50_s'] * 1e3:.0f} ms  "
+                     f"itl mean {cp['itl']['mean_s'] * 1e3:.1f} ms")
+    verdict = cp["verdict"]
+    lines.append(f"disaggregation: {verdict['verdict'].upper()}  ({verdict['reason']})")
+    return lines

@@ -104,13 +104,14 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (of its n sequences, each output naming its `index`,
         until every one has finished); raises the engine's validation error up front."""
         stream = self._open_stream(request_id, 1 if prefill_only else params.n)
         try:
-            await self._call(lambda: self._engine.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only))
+            await self._call(lambda: self._engine.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only,
+                                                                   priority=priority))
         except BaseException:
             self._streams.pop(request_id, None)
             raise
@@ -136,9 +137,10 @@ class AsyncEngine:
         return await self._call(self._engine.stats)
 
     # ---- remote prefill (decode worker) ---------------------------------------------------------
-    async def reserve_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
-        """Blocks to receive the prompt's KV into, or None when the pool has no room now."""
-        return await self._call(lambda: self._engine.add_remote_request(request_id, prompt_token_ids, params))
+    async def reserve_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                                priority: int = 0) -> list[int] | None:
+        """Blocks to receive the prompt's KV into, or None when the pool (or the KV policy) has no room now."""
+        return await self._call(lambda: self._engine.add_remote_request(request_id, prompt_token_ids, params, priority))
 
     def commit_remote_kv(self, request_id: str, first: Sample) -> None:
         """The KV has landed: `first` (sampled by the prefill worker) becomes the first output of the

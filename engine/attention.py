@@ -4,14 +4,15 @@ Per forward pass the ModelRunner builds one `AttentionMetadata` and passes it as
 argument of the model call; transformers forwards it untouched to every attention layer, which
 calls `paged_attention` with post-RoPE q/k/v for all scheduled tokens of all requests in one row:
   1. the new k/v land in the layer's pool tensors at `slot_mapping`,
-  2. decode tokens (one query each, packed first, sorted by context length) attend to their context
-     group by group: a group's blocks are gathered into a reused workspace (no fresh allocation, so
-     no page faults), padded only to the group's own longest context, and the group's query heads
-     that share a KV head are passed to SDPA as query rows of that head (GQA with one read of K/V),
-  3. each prefill chunk attends causally to its prefix (cached blocks) plus itself,
+  2. decode tokens (one query each, packed first) attend to their context in one call of a
+     `paged_decode` kernel that reads K and V where they lie in the pool (on CPU the C++ kernel of
+     engine.kernels: no copy, each row reads only its own blocks),
+  3. each prefill chunk attends causally to its prefix plus itself: a chunk with earlier context has
+     its blocks gathered into a reused workspace (no fresh allocation, so no page faults) for one SDPA
+     call; the gather is O(context) against the call's O(chunk x context) work,
   4. `on_layer_written` (if set) is told the layer is complete, so a KV sender can ship it.
-Everything that depends only on the batch (groups, block tables, masks) is built once per step by the
-ModelRunner; per layer a decode group costs two `index_select`s and one SDPA call. No per-token Python.
+Everything that depends only on the batch (block tables, lengths, masks) is built once per step by the
+ModelRunner. No per-token Python.
 That is the CPU path. When `paged` is a `BatchedMetadata` (the GPU path), step 2-3 are
 engine.attention_batched's two calls for the whole batch instead.
 """
@@ -26,7 +27,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 
 from engine import attention_batched
-from engine.attention_batched import BatchedMetadata
+from engine.attention_batched import BatchedMetadata, DecodeBatch
 from engine.kv_cache import KVCache
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
@@ -48,20 +49,6 @@ class PrefillChunk:
 
 
 @dataclass
-class DecodeGroup:
-    """Decode tokens `start .. start+num` of the packed batch with similar context lengths."""
-
-    start: int
-    num: int
-    width: int
-    """Blocks per row: enough for the group's longest context."""
-    block_table: torch.Tensor
-    """[num * width] block ids, row-major, rows padded with block 0."""
-    key_mask: torch.Tensor | None
-    """[num, 1, 1, width * block_size] True where a key position is valid; None when nothing is padding."""
-
-
-@dataclass
 class Workspace:
     """Reused gather buffers (flat fp tensors) for K and V; grown on demand, never shrunk."""
 
@@ -79,7 +66,7 @@ class AttentionMetadata:
     """[num_tokens] flat pool slot for each packed token."""
     num_decode_tokens: int
     """The first `num_decode_tokens` packed tokens are single-token decodes."""
-    decode_groups: list[DecodeGroup]
+    decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     workspace: Workspace
     on_layer_written: Callable[[int], None] | None = None
@@ -111,8 +98,9 @@ def paged_attention(
             paged.on_layer_written(layer)
         return out.unsqueeze(0), None
     out = query.new_empty(q.shape)
-    for group in paged.decode_groups:
-        _decode_attention(q, out, group, paged, layer, scaling)
+    if paged.decode is not None:
+        d, nd = paged.decode, paged.num_decode_tokens
+        out[:nd] = d.kernel(q[:nd], paged.kv_cache.key_caches[layer], paged.kv_cache.value_caches[layer], d.block_table, d.context_lens, scaling)
     for chunk in paged.prefills:
         s, e = chunk.query_start, chunk.query_start + chunk.num_tokens
         out[s:e] = _prefill_attention(q[s:e], new_k[s:e], new_v[s:e], chunk, paged, layer, scaling)
@@ -136,24 +124,6 @@ def _gather_blocks(meta: AttentionMetadata, layer: int, block_table: torch.Tenso
     torch.index_select(vc.view(num_blocks, row), 0, block_table, out=vbuf)
     shape = (block_table.numel(),) + tuple(kc.shape[1:])
     return kbuf.view(shape), vbuf.view(shape)
-
-
-def _decode_attention(
-    q: torch.Tensor, out: torch.Tensor, group: DecodeGroup, meta: AttentionMetadata, layer: int, scaling: float | None
-) -> None:
-    """Single-token queries `q[start:start+num]` against each request's paged context.
-
-    The `H / Hkv` query heads that share a KV head go to SDPA as that head's query rows: one GEMM per
-    (request, KV head) reads K and V once, and no KV head is repeated."""
-    b, h, d = group.num, q.shape[1], q.shape[2]
-    k, v = _gather_blocks(meta, layer, group.block_table)
-    hkv = k.shape[2]
-    k = k.view(b, -1, hkv, d).transpose(1, 2)  # [b, Hkv, L, D] strided view of the workspace
-    v = v.view(b, -1, hkv, d).transpose(1, 2)
-    s, e = group.start, group.start + b
-    qg = q[s:e].reshape(b, hkv, h // hkv, d)
-    o = F.scaled_dot_product_attention(qg, k, v, attn_mask=group.key_mask, scale=scaling)
-    out[s:e] = o.view(b, h, d)
 
 
 def _prefill_attention(

@@ -39,7 +39,7 @@ from engine.runtime import build_runtime
 from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
-from engine.sequence import FinishReason, RequestState, Sequence
+from engine.sequence import FinishReason, RequestState, Sequence, check_priority
 from engine.speculative import Speculator
 from engine.structured import GrammarCache, StructuredOutputs
 
@@ -59,6 +59,8 @@ class RequestOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     error: str | None = None
+    first_step_at: float | None = None
+    """time.monotonic() when the sequence's first step began: its queue time ends, its compute starts."""
 
 
 @dataclass
@@ -128,7 +130,7 @@ class Engine:
         num_blocks = self.kv_cache.num_blocks
         self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill),
+            SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.kv_policy),
             self.blocks,
         )
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
@@ -142,20 +144,20 @@ class Engine:
 
     # ---- request intake ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0
     ) -> None:
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only)
+        """`priority`: higher is admitted first and preempted last (engine.sequence.PRIORITY_RANGE)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, priority)
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 
-    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> list[int] | None:
+    def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                           priority: int = 0) -> list[int] | None:
         """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
-        Returns the block ids to write into, or None when the pool has no room now (backpressure)."""
-        seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only=False)
-        if not self.blocks.grow(seq, seq.num_prompt_tokens + 1):
-            seq.block_ids = []
+        Returns the block ids to write into, or None when the pool (or the KV policy) has no room now (backpressure)."""
+        seq = self._new_sequence(request_id, prompt_token_ids, params, False, priority)
+        if not self.scheduler.reserve_remote(seq):
             return None
-        seq.state = RequestState.WAITING_FOR_REMOTE_KV
         self._requests[request_id] = seq
         return list(seq.block_ids)
 
@@ -181,6 +183,7 @@ class Engine:
         self.blocks.commit_computed(seq)
         self._fork(seq)
         if seq.state.finished:
+            self.scheduler.remove(seq)
             self._finish(seq)
         else:
             self.scheduler.add_running(seq)
@@ -225,7 +228,7 @@ class Engine:
         self.counters.preemptions += len(plan.preempted)
         if plan.empty:
             return outputs
-        started = time.perf_counter()
+        started, began = time.perf_counter(), time.monotonic()
         self._apply_num_threads()
         proposals = self.speculator.propose(plan.scheduled) if self.speculator else {}
         items = [s.step_item() for s in plan.scheduled]
@@ -248,12 +251,14 @@ class Engine:
         if self.speculator:
             self.speculator.record_step(sum(item.num_tokens for item in items), len(proposals), seconds)
         for item in ordered:
+            item.seq.first_step_at = item.seq.first_step_at or began
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)
         for seq in sampling:
             self._fork(seq)
         for seq, accepted in zip(sampling, samples):
-            out = RequestOutput(seq.group_id, index=seq.index, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens)
+            out = RequestOutput(seq.group_id, index=seq.index, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
+                                first_step_at=seq.first_step_at)
             self._emit_all(seq, accepted, out)
             if seq.state.finished:
                 self.scheduler.remove(seq)
@@ -295,7 +300,7 @@ class Engine:
         if n and torch.get_num_threads() != n:
             torch.set_num_threads(n)
 
-    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool) -> Sequence:
+    def _new_sequence(self, request_id: str, prompt: list[int], params: SamplingParams, prefill_only: bool, priority: int) -> Sequence:
         if request_id in self._requests:
             raise InvalidRequestError("request_id", f"{request_id!r} is already in the engine")
         if not prompt:
@@ -303,6 +308,7 @@ class Engine:
         if any(not isinstance(t, int) or t < 0 or t >= self.vocab_size for t in prompt):
             raise InvalidRequestError("prompt_token_ids", f"every id must be an integer in [0, {self.vocab_size})")
         params.validate(self.vocab_size)
+        check_priority(priority)
         if params.structured is not None:
             self.sampler.structured.check(params.structured)
         total = len(prompt) + (1 if prefill_only else params.max_tokens)
@@ -316,7 +322,7 @@ class Engine:
         forks = 0 if prefill_only else params.n - 1
         if self.blocks.blocks_for_tokens(total) + forks * (self.blocks.blocks_for_tokens(params.max_tokens) + 1) > self.blocks.num_blocks:
             raise InvalidRequestError("n", f"n ({params.n}) sequences of max_tokens ({params.max_tokens}) after the prompt exceed this worker's KV capacity of {capacity} tokens")
-        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only, forks_pending=forks)
+        return Sequence(request_id, list(prompt), params, prefill_only=prefill_only, forks_pending=forks, priority=priority)
 
     def _fork(self, seq: Sequence) -> None:
         """Sequence 0's prompt is computed: start its pending siblings from its full prompt blocks."""

@@ -1,16 +1,16 @@
 """Run one scheduled step through the model: packed inputs in, logits of sampling requests out.
 
-Lifecycle per step: `execute(batch)` orders the batch (single-token decodes first, sorted by context
-length, then prefill chunks), builds token ids, positions and the slot mapping of every packed token,
-builds the `AttentionMetadata` (decode groups of similar context length with their block tables and
-masks, prefill chunks with theirs: everything attention needs, once for all layers), runs the HF
-model once on the whole packed row with the paged attention function, and returns logits only for
-the requests whose last known token was computed. Batch bookkeeping is plain Python on ints, turned
-into a few tensors at the end; the gather workspace is kept across steps.
+Lifecycle per step: `execute(batch)` orders the batch (single-token decodes first, then prefill
+chunks), builds token ids, positions and the slot mapping of every packed token, builds the
+`AttentionMetadata` (the decode rows' block tables and lengths for one `paged_decode` kernel call per
+layer, prefill chunks with their tables and masks: everything attention needs, once for all layers),
+runs the HF model once on the whole packed row with the paged attention function, and returns logits
+only for the requests whose last known token was computed. Batch bookkeeping is plain Python on ints,
+turned into a few tensors at the end; the prefill gather workspace is kept across steps. The decode
+kernel is `paged_decode.default_kernel`: the C++ kernel on CPU (built once per machine), triton on CUDA.
 
 On CUDA (or with `batched=True`, how the CPU tests run it) the step goes through
-engine.attention_batched instead: decodes first in arrival order, attention in at most two calls per
-layer, and a pure decode step (no prefill, no layer hook) whose batch fits `cuda_graph_max_batch`
+engine.attention_batched instead: all prefill chunks in one SDPA call per layer, and a pure decode step (no prefill, no layer hook) whose batch fits `cuda_graph_max_batch`
 is padded to a bucket and replayed from a CUDA graph (engine.cuda_graphs) when the triton decode
 kernel is available. `set_decode_kernel` switches kernels (the device check measures both).
 """
@@ -23,19 +23,13 @@ from collections.abc import Callable
 import torch
 
 from engine import attention, paged_decode
-from engine.attention import AttentionMetadata, DecodeGroup, PrefillChunk, Workspace
+from engine.attention import AttentionMetadata, PrefillChunk, Workspace
 from engine.attention_batched import BatchedMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.step import StepItem
 
 log = logging.getLogger(__name__)
-
-DECODE_GROUP_KEYS = 2048
-"""Most padded key positions in one decode group. Small enough that a group's gathered K and V stay
-in cache between the gather and SDPA, large enough that per-group overhead stays small; groups of
-similar context length also cut padding to each group's own longest context."""
-
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
@@ -67,7 +61,7 @@ class ModelRunner:
         """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
         try:
-            self.set_decode_kernel(paged_decode.default_kernel(self.device))
+            self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
         except Exception as exc:  # a kernel that does not compile or a graph that does not capture here
             self.fallback_reason = f"{type(exc).__name__}: {exc}"
             log.warning("decode kernel %r / CUDA graphs unavailable, decoding eagerly with the torch kernel: %s", self.decode_kernel, exc)
@@ -90,11 +84,12 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        decodes = sorted((i for i, s in enumerate(batch) if s.num_tokens == 1), key=lambda i: batch[i].start)
-        order = decodes + [i for i, s in enumerate(batch) if s.num_tokens > 1]
+        order = [i for i, s in enumerate(batch) if s.num_tokens == 1]
+        num_decodes = len(order)
+        order += [i for i, s in enumerate(batch) if s.num_tokens > 1]
         ordered = [batch[i] for i in order]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
-        meta = self._metadata(ordered, len(decodes), slots, on_layer_written)
+        meta = self._metadata(ordered, num_decodes, slots, on_layer_written)
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -132,10 +127,9 @@ class ModelRunner:
         slots: torch.Tensor,
         on_layer_written: Callable[[int], None] | None,
     ) -> AttentionMetadata:
-        groups = self._decode_groups(ordered[:num_decodes])
         prefills: list[PrefillChunk] = []
         start = num_decodes
-        most_blocks = max((g.block_table.numel() for g in groups), default=0)
+        most_blocks = 0
         for item in ordered[num_decodes:]:
             ctx, n = item.start, item.num_tokens
             num_blocks = _cdiv(ctx + n, self.block_size)
@@ -152,36 +146,19 @@ class ModelRunner:
             kv_cache=self.kv_cache,
             slot_mapping=slots,
             num_decode_tokens=num_decodes,
-            decode_groups=groups,
+            decode=self._decode_batch(ordered[:num_decodes]),
             prefills=prefills,
             workspace=self.workspace,
             on_layer_written=on_layer_written,
         )
 
-    def _decode_groups(self, decodes: list[StepItem]) -> list[DecodeGroup]:
-        """Split decodes (sorted by context length) into groups of at most DECODE_GROUP_KEYS padded keys."""
-        bs = self.block_size
-        lens = [s.start + 1 for s in decodes]
-        groups: list[DecodeGroup] = []
-        i = 0
-        while i < len(decodes):
-            j = i + 1
-            while j < len(decodes) and (j + 1 - i) * _cdiv(lens[j], bs) * bs <= DECODE_GROUP_KEYS:
-                j += 1
-            width = _cdiv(lens[j - 1], bs)
-            table: list[int] = []
-            for item in decodes[i:j]:
-                blocks = item.block_ids[:width]
-                table.extend(blocks)
-                table.extend([0] * (width - len(blocks)))
-            group_lens = lens[i:j]
-            mask = None
-            if any(n != width * bs for n in group_lens):
-                valid = torch.tensor(group_lens, device=self.device).unsqueeze(1)
-                mask = (torch.arange(width * bs, device=self.device).unsqueeze(0) < valid).view(j - i, 1, 1, -1)
-            groups.append(DecodeGroup(i, j - i, width, torch.tensor(table, dtype=torch.long, device=self.device), mask))
-            i = j
-        return groups
+    def _decode_batch(self, decodes: list[StepItem]) -> DecodeBatch | None:
+        """The decode rows' block tables (as wide as the longest context) and lengths, for the decode kernel."""
+        if not decodes:
+            return None
+        width = max(_cdiv(s.start + 1, self.block_size) for s in decodes)
+        rows = self._decode_rows(decodes, len(decodes), width)
+        return DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), paged_decode.KERNELS[self.decode_kernel])
 
     def _reserve(self, num_blocks: int) -> None:
         need = num_blocks * self._block_numel
@@ -205,11 +182,7 @@ class ModelRunner:
             rows = slice(0, len(decodes)) if len(sampling) == len(decodes) else torch.tensor(sampling, device=self.device)
             return order, logits[rows]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
-        decode = None
-        if decodes:
-            width = max(_cdiv(s.start + 1, self.block_size) for s in decodes)
-            rows = self._decode_rows(decodes, len(decodes), width)
-            decode = DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), paged_decode.KERNELS[self.decode_kernel])
+        decode = self._decode_batch(decodes)
         chunks = [(s.block_ids, s.start, s.num_tokens) for s in ordered[len(decodes) :]]
         meta = BatchedMetadata(
             kv_cache=self.kv_cache,

@@ -1,17 +1,19 @@
-"""Decode attention straight over the paged pool for a padded batch: one call per layer, no host sync.
+"""Decode attention straight over the paged pool: one call per layer for all decode rows, no host sync.
 
 Inputs (all device tensors, fixed shapes, so a CUDA graph can capture the call):
   q              [B, H, D]               one query token per row
   key/value      [blocks, bs, Hkv, D]    one layer of the pool
   block_table    [B, W] int              each row's blocks (padding rows/columns may hold any valid id)
   context_lens   [B] int                 keys each row attends to (>= 1)
-Two kernels compute the same thing:
+Three kernels compute the same thing:
   torch   gathers the rows' blocks (`index_select` through the padded table) and runs SDPA with a
           length mask; reads every row to the table's full width, so the caller sizes W to the batch.
   triton  one program per (row, KV head) walks the row's own blocks only (`context_lens` bounds the
           loop), its G = H / Hkv query heads share each K/V load (as rows of a `tl.dot`, padded to
           16), operands and online softmax in fp32. The table width costs
           nothing, so one table as wide as `max_model_len` serves every step (graphs).
+  cpp     the CPU kernel of engine.kernels (built once per machine): one task per row walks the row's
+          own blocks in place, K then V, each KV row read once for its G query heads.
 `TRITON_INTERPRET=1` runs the triton kernel on CPU (numpy), which is how it is tested without a GPU
 (tests/unit/test_engine_batched.py; with numpy 2 the interpreter needs `interpreter_loop_fix()` for a
 loop bounded by a loaded value). `triton.compile(..., target=GPUTarget("cuda", 90, 32))` builds it for
@@ -22,6 +24,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from engine import kernels
 
 try:  # triton is optional: present with CUDA builds of torch, absent on most CPU hosts
     import triton
@@ -103,12 +107,23 @@ def decode_triton(q, key, value, block_table, context_lens, scale: float | None,
     return out
 
 
-KERNELS = {"torch": decode_torch, "triton": decode_triton}
+def decode_cpp(q, key, value, block_table, context_lens, scale: float | None) -> torch.Tensor:
+    built = kernels.load()
+    if built is None:
+        raise RuntimeError(f"the C++ decode kernel is not built here: {kernels.unavailable_reason()}")
+    return built.paged_decode(q, key, value, block_table, context_lens, q.shape[2] ** -0.5 if scale is None else scale)
 
 
-def default_kernel(device: torch.device) -> str:
-    """triton on CUDA when the package is there, else the torch gather."""
-    return "triton" if device.type == "cuda" and triton is not None else "torch"
+KERNELS = {"torch": decode_torch, "triton": decode_triton, "cpp": decode_cpp}
+
+
+def default_kernel(device: torch.device, head_dim: int) -> str:
+    """triton on CUDA when the package is there; on CPU the C++ kernel when it builds here and was compiled
+    for this head size; else the torch gather."""
+    if device.type == "cuda":
+        return "triton" if triton is not None else "torch"
+    built = kernels.load()
+    return "cpp" if built is not None and head_dim in built.supported_head_dims() else "torch"
 
 
 def interpreter_loop_fix() -> None:

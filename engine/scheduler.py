@@ -2,19 +2,24 @@
 
 One token budget per step (`max_num_batched_tokens`) and a cap on running requests (`max_num_seqs`).
 Order of service: running requests first (a decode costs one token; a request in the middle of a
-chunked prefill takes its next chunk), then waiting requests in arrival order (chunked prefill: a
-long prompt is split across steps when the budget runs out). When the KV pool cannot grow a running
-request, the most recently admitted running request is preempted by recompute: its blocks are
-freed and it goes back to the head of the waiting queue. The sequences a group (`n` > 1) will fork
-count against `max_num_seqs` from its admission. The scheduler never touches a tensor.
+chunked prefill takes its next chunk), then waiting requests (chunked prefill: a long prompt is
+split across steps when the budget runs out). Both queues are ordered by priority (higher first),
+then arrival (FCFS within a priority). When the KV pool cannot grow a running request, the last
+running request in that order (lowest priority, latest arrived) is preempted by recompute: its
+blocks are freed and it goes back to the waiting queue, ahead of those of its priority that came
+later. Admission asks the KV policy too (engine.kv_policy): under `guaranteed_no_evict` a request is
+admitted only when its whole life fits, so the pool never runs dry and nothing is preempted. The
+waiting queue's head blocks those behind it (no overtaking). The sequences a group (`n` > 1) will
+fork count against `max_num_seqs` from its admission. The scheduler never touches a tensor.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import bisect
 from dataclasses import dataclass, field
 
 from engine.block_manager import BlockManager
+from engine.kv_policy import make_kv_policy
 from engine.sequence import RequestState, Sequence
 from engine.step import StepItem
 
@@ -24,6 +29,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     enable_chunked_prefill: bool = True
+    kv_policy: str = "max_utilization"
 
 
 @dataclass
@@ -59,8 +65,11 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.blocks = block_manager
-        self.waiting: deque[Sequence] = deque()
+        self.policy = make_kv_policy(config.kv_policy, block_manager)
+        self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
+        self.incoming: list[Sequence] = []
+        """Admitted on a decode worker, their prompt's KV still on its way (`reserve_remote`)."""
 
     @property
     def num_unfinished(self) -> int:
@@ -68,18 +77,30 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.state = RequestState.WAITING
-        self.waiting.append(seq)
+        _enqueue(self.waiting, seq)
+
+    def reserve_remote(self, seq: Sequence) -> bool:
+        """Blocks for a prompt whose KV (and first token) will arrive from a prefill worker, if the
+        KV policy admits it now; False (nothing taken) otherwise."""
+        if not self.policy.admits(seq, self.running + self.incoming) or not self.blocks.grow(seq, seq.num_prompt_tokens + 1):
+            seq.block_ids = []
+            return False
+        seq.state = RequestState.WAITING_FOR_REMOTE_KV
+        self.incoming.append(seq)
+        return True
 
     def add_running(self, seq: Sequence) -> None:
-        """A request whose KV is already in the pool (received from a prefill worker)."""
+        """A request whose KV is already in the pool (received from a prefill worker, or a fork)."""
+        if seq in self.incoming:
+            self.incoming.remove(seq)
         seq.state = RequestState.RUNNING
-        self.running.append(seq)
+        _enqueue(self.running, seq)
 
     def remove(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting, self.incoming):
+            if seq in queue:
+                queue.remove(seq)
+                return
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
@@ -111,6 +132,8 @@ class Scheduler:
         admitted_whole = False
         while self.waiting and budget > 0 and self._has_room_for(self.waiting[0]):
             seq = self.waiting[0]
+            if not self.policy.admits(seq, self.running + self.incoming):
+                break
             n = self.blocks.admit(seq, budget if chunked else seq.num_tokens)
             if n is None:
                 break
@@ -121,9 +144,9 @@ class Scheduler:
                 seq.num_computed_tokens = seq.num_cached_tokens = 0
                 break
             admitted_whole = not chunked
-            self.waiting.popleft()
+            self.waiting.pop(0)
             seq.state = RequestState.RUNNING
-            self.running.append(seq)
+            _enqueue(self.running, seq)
             out.scheduled.append(ScheduledSeq(seq, n))
             budget -= n
 
@@ -135,5 +158,14 @@ class Scheduler:
     def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
         self.blocks.free(seq)
         seq.reset_for_recompute()
-        self.waiting.appendleft(seq)
+        _enqueue(self.waiting, seq)
         out.preempted.append(seq)
+
+
+def _enqueue(queue: list[Sequence], seq: Sequence) -> None:
+    """Insert keeping the order: higher priority first, then earlier arrival; after equals."""
+    bisect.insort(queue, seq, key=_order)
+
+
+def _order(seq: Sequence) -> tuple[int, float]:
+    return -seq.priority, seq.arrival_time

@@ -19,7 +19,19 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams
+
+PRIORITY_RANGE = (-1000, 1000)
+"""A request's `priority`: higher is more important; 0 is the default."""
+
+
+def check_priority(value: object) -> int:
+    """The request's priority, or InvalidRequestError naming `priority`."""
+    low, high = PRIORITY_RANGE
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise InvalidRequestError("priority", f"must be an integer in [{low}, {high}] (higher runs first), got {value!r}")
+    return value
 
 
 class RequestState(enum.Enum):
@@ -72,6 +84,10 @@ class Sequence:
     """Which of the request's n sequences this is (the OpenAI choice index)."""
     forks_pending: int = 0
     """Sequence 0 of a group: how many siblings it forks once its prompt is computed."""
+    first_step_at: float | None = None
+    """time.monotonic() when the first step that computed any of its tokens began (queue time ends there)."""
+    priority: int = 0
+    """Higher is admitted first and preempted last (engine.scheduler); FCFS within a priority."""
 
     def __post_init__(self):
         self.group_id = self.group_id or self.request_id
@@ -118,7 +134,8 @@ class Sequence:
         tokens of KV (the caller shares the blocks); it computes the rest of the prompt itself."""
         return Sequence(f"{self.group_id}/{index}", list(self.prompt_token_ids), self.params, group_id=self.group_id,
                         index=index, state=RequestState.RUNNING, num_computed_tokens=num_computed_tokens,
-                        num_cached_tokens=min(self.num_cached_tokens, num_computed_tokens))
+                        num_cached_tokens=min(self.num_cached_tokens, num_computed_tokens), priority=self.priority,
+                        arrival_time=self.arrival_time)
 
     def reset_for_recompute(self) -> None:
         """Preempted: drop computed KV; prompt and output so far will be prefilled again."""

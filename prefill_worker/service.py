@@ -12,7 +12,11 @@ Life of one `Prefill` call:
      without a streamer: all layers after the step);
   3. the step samples the first token; the trailers (first token, its logprobs when asked, checksum)
      close the transfers and every decode rank's acknowledgement comes back (the followers' too);
-  4. the request's blocks are released (they stay in the prefix cache) and the first token returned.
+  4. the first token is returned; the request's blocks are released (they stay in the prefix cache)
+     meanwhile, on the engine's thread between two steps, so that the answer does not wait for a step.
+The answer's `StageTimings` splits the call's time here: prefill_queue (call received -> the
+prompt's first engine step), prefill_compute (-> first token sampled), kv_transfer (-> every decode
+rank acknowledged: the transfer time exposed after the forward).
 Any failure aborts the transfer (the receiver frees its blocks) and fails the call.
 Tracing: the call is the span `prefill` (under the router's `prefill`, from the call's metadata) and
 the transfer, from begin to D's acknowledgement, its child `kv.send` (docs/observability.md).
@@ -40,7 +44,7 @@ from kvtransfer.pieces import Destination, PieceSend
 from kvtransfer.sharding import IncompatibleLayouts, check_compatible
 from prefill_worker.ranks import FollowerSends
 from prefill_worker.streamer import LayerStreamer
-from proto.convert import chunk_from_output, sampling_or_abort, worker_stats
+from proto.convert import chunk_from_output, prefill_timings, sampling_or_abort, worker_stats
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -63,16 +67,20 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         self.kv_bytes_sent = 0
         """KV bytes every rank delivered (acknowledged transfers)."""
         self.gate = CallGate("prefill")
+        self._releases: set[asyncio.Task] = set()
+        """Releases of finished prompts still in flight: the answer does not wait for the engine's next step."""
 
     async def Prefill(self, request: pb.PrefillRequest, context: grpc.aio.ServicerContext) -> pb.PrefillResponse:
         request_id = request.request_id or uuid.uuid4().hex
-        with server_span("prefill", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids)) as call_span:
+        with server_span("prefill", context, request_id=request_id, worker_id=self.worker_id, prompt_tokens=len(request.token_ids),
+                         priority=request.priority) as call_span:
             response = await self._prefill(request_id, request, context, call_span)
             annotate(call_span, cached_prompt_tokens=response.cached_prompt_tokens, kv_bytes=response.kv_bytes_sent)
             return response
 
     async def _prefill(self, request_id: str, request: pb.PrefillRequest, context: grpc.aio.ServicerContext,
                        call_span: Span) -> pb.PrefillResponse:
+        received = time.monotonic()
         params = await sampling_or_abort(request.sampling, context)
         dest = request.kv_destination if request.HasField("kv_destination") else None
         refusal = dest is not None and layout_refusal(dest, self.fingerprint, self.engine.tensor_parallel_size,
@@ -80,7 +88,6 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
         await self.gate.enter(context)
-        received = time.monotonic()
         transfer = kv_span = None
         try:
             timeout = request.kv_ack_timeout_s or self.ack_timeout_s
@@ -89,7 +96,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
                                      transport=dest.endpoint.transport, destination=f"{dest.endpoint.host}:{dest.endpoint.port}",
                                      decode_ranks=len(dest.rank_endpoints) or 1)
-            first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, context)
+            first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, request.priority, context)
             computed = time.monotonic()
             call_span.add_event("first token sampled")
             if transfer is not None:
@@ -107,7 +114,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 prompt_tokens=len(request.token_ids),
                 cached_prompt_tokens=first_out.num_cached_tokens,
                 kv_bytes_sent=sent if transfer is not None else 0,
-                timings=pb.StageTimings(prefill_compute_s=computed - received, kv_transfer_s=done - computed),
+                timings=prefill_timings(received, first_out, computed, kv_transfer_s=done - computed),
             )
         except KVTransferError as exc:
             log.warning("request %s: KV transfer failed: %s", request_id, exc)
@@ -124,7 +131,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 self.followers.abort(request_id, "prefill failed or was cancelled")
             if kv_span is not None:
                 kv_span.end()
-            await self.engine.release(request_id)
+            release = asyncio.ensure_future(self.engine.release(request_id))
+            self._releases.add(release)
+            release.add_done_callback(self._releases.discard)
 
     def _begin(self, request_id: str, dest: pb.KVDestination, num_tokens: int, timeout: float) -> PieceSend:
         """Open this worker's pieces of the prompt's KV (rank 0's here, the followers' on their ranks)."""
@@ -138,9 +147,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
             self.streamer.track(request_id, transfer)
         return transfer
 
-    async def _run_prefill(self, request_id, prompt, params, context):
+    async def _run_prefill(self, request_id, prompt, params, priority, context):
         try:
-            async for out in self.engine.generate(request_id, prompt, params, prefill_only=True):
+            async for out in self.engine.generate(request_id, prompt, params, prefill_only=True, priority=priority):
                 if out.new_token_ids:
                     return out.new_token_ids[0], out
         except InvalidRequestError as exc:
@@ -160,6 +169,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
 
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()
+        if self._releases:
+            await asyncio.wait(list(self._releases))
 
 
 def layout_refusal(dest: pb.KVDestination, fingerprint: str, tp: int, num_kv_heads: int) -> str | None:

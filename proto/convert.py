@@ -143,3 +143,11 @@ async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining:
         timestamp_s=time.time(),
         **extra,
     )
+
+
+def prefill_timings(received: float, first_out: RequestOutput, computed: float, kv_transfer_s: float = 0.0) -> pb.StageTimings:
+    """Queue (call received -> the prompt's first engine step) and compute (-> first token sampled),
+    measured on this process's clock; with the KV transfer they add up to the call's time here."""
+    started = first_out.first_step_at or received
+    return pb.StageTimings(prefill_queue_s=max(0.0, started - received), prefill_compute_s=computed - max(started, received),
+                           kv_transfer_s=kv_transfer_s)

@@ -64,7 +64,7 @@ class RouterApi(pb_grpc.RouterServicer):
 def request_from_proto(request: pb.GenerateRequest) -> RouterRequest:
     """The public message as the router core's request; no checks (validation does them)."""
     return RouterRequest(prompt=_prompt(request), sampling=_sampling(request.sampling), request_id=request.request_id,
-                         model=request.model, skip_detokenize=request.skip_detokenize)
+                         model=request.model, skip_detokenize=request.skip_detokenize, priority=request.priority)
 
 
 def _prompt(request: pb.GenerateRequest) -> Prompt | None:

@@ -1,4 +1,4 @@
-"""The router's HTTP side (ASGI): health, Prometheus metrics and the OpenAI-compatible API."""
+"""The router's HTTP side (ASGI): health, Prometheus metrics, the critical-path breakdown and the OpenAI-compatible API."""
 
 from __future__ import annotations
 
@@ -24,6 +24,11 @@ def build_app(service: RouterService) -> FastAPI:
     @app.get("/metrics")
     async def prometheus() -> Response:
         return Response(content=metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/pdserve/critical_path")
+    async def critical_path(window_s: float = 60.0) -> JSONResponse:
+        """The last `window_s` seconds' critical-path breakdown and verdict (what `pdserve status` shows)."""
+        return JSONResponse(metrics.critical_path.breakdown(max(1.0, min(window_s, metrics.critical_path.horizon_s))))
 
     @app.middleware("http")
     async def require_api_key(request: Request, call_next):

@@ -1,7 +1,8 @@
 """Prometheus metrics of the router (one registry per router instance, served at /metrics).
 
 Two kinds of series live in the registry: the router's own (counters and histograms it updates as
-requests pass, `RouterMetrics`), and every worker's engine series, labelled `role` and `worker`
+requests pass, `RouterMetrics`, which also keeps the window of recent critical paths behind
+`pdserve status`: router.critical_path), and every worker's engine series, labelled `role` and `worker`
 (`WorkerEngineCollector`). The latter are a snapshot of the pool that `observe_workers` replaces
 every pass of the router's worker watch (heartbeats and `Stats` polls carry them as `WorkerStats`),
 rendered at scrape time: a worker that leaves the pool drops its series at the next pass.
@@ -16,8 +17,9 @@ from collections.abc import Iterable, Iterator
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric, SummaryMetricFamily
 
+from router.critical_path import STAGES, CriticalPathWindow, stages_of
+
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-STAGES = ("router_queue", "prefill_queue", "prefill_compute", "kv_transfer", "decode_admission")
 
 
 class RouterMetrics:
@@ -28,9 +30,9 @@ class RouterMetrics:
         self.ttft = Histogram("pdserve_ttft_seconds", "Time to first token", buckets=LATENCY_BUCKETS, registry=r)
         self.itl = Histogram("pdserve_itl_seconds", "Inter-token latency", buckets=LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("pdserve_e2e_seconds", "End-to-end request latency", buckets=LATENCY_BUCKETS, registry=r)
-        self.ttft_stage = Histogram(
-            "pdserve_ttft_stage_seconds", "TTFT breakdown by stage", ["stage"], buckets=LATENCY_BUCKETS, registry=r
-        )
+        self.stages = Histogram("pdserve_request_stage_seconds", "Critical path of finished requests by stage (they add up to e2e)",
+                                ["stage"], buckets=LATENCY_BUCKETS, registry=r)
+        self.critical_path = CriticalPathWindow()
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode", ["transport"], registry=r)
         self.queue_size = Gauge("pdserve_router_queue_requests", "Requests admitted and not finished", registry=r)
         self.queued_tokens = Gauge("pdserve_router_queue_tokens", "Prompt tokens of admitted, unfinished requests", registry=r)
@@ -45,15 +47,15 @@ class RouterMetrics:
         self.engines = WorkerEngineCollector()
         r.register(self.engines)
         for stage in STAGES:
-            self.ttft_stage.labels(stage=stage)
+            self.stages.labels(stage=stage)
         for outcome in ("ok", "invalid", "overloaded", "error", "cancelled"):
             self.requests.labels(outcome=outcome)
 
-    def observe_stages(self, timings) -> None:
-        for stage in STAGES:
-            value = getattr(timings, f"{stage}_s", 0.0)
-            if value > 0:
-                self.ttft_stage.labels(stage=stage).observe(value)
+    def observe_path(self, timings, completion_tokens: int) -> None:
+        """A finished request's critical path (router.critical_path): one observation per stage."""
+        for stage, value in stages_of(timings).items():
+            self.stages.labels(stage=stage).observe(max(0.0, value))
+        self.critical_path.record(timings, completion_tokens)
 
     def observe_workers(self, workers) -> None:
         """Publish the pool's view of each registered worker (router.pool.Worker objects)."""
@@ -63,6 +65,7 @@ class RouterMetrics:
             self.worker_healthy.labels(role=w.role, worker=w.worker_id).set(1 if w.healthy and not w.draining else 0)
             self.worker_routed.labels(role=w.role, worker=w.worker_id).set(w.routed)
         self.engines.observe([(w.role, w.worker_id, w.stats) for w in workers if w.stats is not None])
+        self.critical_path.observe_workers(workers)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

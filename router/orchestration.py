@@ -84,7 +84,8 @@ class Orchestrator:
         """`trace`: the request's root span as parent (tracing); None: the attempts' spans start new traces."""
         sequences = [SequenceProgress(i, None if skip_detokenize else IncrementalDetokenizer(
             self.tokenizer, request.prompt_ids, request.stop, min_tokens=request.params.min_tokens)) for i in range(request.params.n)]
-        state = Progress(request_id, request.prompt_ids, replayable(request.params), arrived, deadline, sequences, trace=trace or Context())
+        state = Progress(request_id, request.prompt_ids, replayable(request.params), arrived, deadline, sequences, trace=trace or Context(),
+                         priority=request.priority)
         budget = RetryBudget(self.config.prefill_retries, self.config.max_migrations)
         failed_prefill: set[str] = set()
         while True:
@@ -153,6 +154,7 @@ class Orchestrator:
         decoder = self.pool.pick("decode", prompt_ids)
         local = self._prefill_locally(prompt_ids)
         request.local_prefill = local
+        state.started_attempt()
         with span("decode.admit", state.trace, SpanKind.CLIENT, worker_id=decoder.worker_id, attempt=state.attempts, local_prefill=local):
             call = DecodeStream(decoder.stub.Decode(request, timeout=state.remaining(), metadata=outgoing_metadata(state.trace)))
             try:
@@ -169,7 +171,7 @@ class Orchestrator:
         if local or first.WhichOneof("event") != "admission":
             call.push_back(first)
             return Attempt(decoder, call, None)
-        state.timings.decode_admission_s = first.admission.admission_wait_s
+        state.worker_stages(pb.StageTimings(decode_admission_s=first.admission.admission_wait_s))
         prefill = await self._prefill(request, first.admission, call, failed_prefill, state)
         return Attempt(decoder, call, prefill)
 
@@ -184,7 +186,7 @@ class Orchestrator:
             try:
                 response = await prefiller.stub.Prefill(
                     pb.PrefillRequest(request_id=request.request_id, token_ids=request.token_ids, sampling=request.sampling,
-                                      kv_destination=admission.kv_destination),
+                                      kv_destination=admission.kv_destination, priority=request.priority),
                     timeout=state.remaining(), metadata=outgoing_metadata(context_of(current)),
                 )
             except asyncio.CancelledError:
@@ -201,10 +203,7 @@ class Orchestrator:
             finally:
                 prefiller.in_flight -= 1
             annotate(current, kv_bytes=response.kv_bytes_sent, cached_prompt_tokens=response.cached_prompt_tokens)
-        pt = response.timings
-        state.timings.prefill_queue_s = pt.prefill_queue_s
-        state.timings.prefill_compute_s = pt.prefill_compute_s
-        state.timings.kv_transfer_s = pt.kv_transfer_s
+        state.worker_stages(response.timings, prefill_done=True)
         return response
 
     def _prefill_locally(self, prompt_ids: list[int]) -> bool:

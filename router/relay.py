@@ -114,7 +114,6 @@ class DecodeRelay:
         if state.last_token_at is None:
             state.timings.ttft_s = now - state.arrived
             self.metrics.ttft.observe(state.timings.ttft_s)
-            self.metrics.observe_stages(state.timings)
         elif seq.last_token_at is not None:
             self.metrics.itl.observe(now - seq.last_token_at)
         state.last_token_at = seq.last_token_at = now
@@ -132,6 +131,8 @@ class DecodeRelay:
         return pb.GenerateResponse(request_id=state.request_id, chunk=chunk)
 
     def _on_finished(self, state: Progress, seq: SequenceProgress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
+        if fin.timings.local_prefill:
+            state.worker_stages(fin.timings)
         state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
         tail = pb.TokenChunk(text=seq.detok.finish().text) if seq.detok is not None else pb.TokenChunk()
         response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics, seq)

@@ -104,3 +104,5 @@ class RouterRequest:
     model: str = ""
     """Empty: whatever is served."""
     skip_detokenize: bool = False
+    priority: int = 0
+    """Scheduling priority, higher first (engine.sequence.PRIORITY_RANGE)."""

@@ -17,6 +17,7 @@ import jsonschema
 
 from engine.errors import InvalidRequestError
 from engine.sampling import SamplingParams, StructuredOutput
+from engine.sequence import check_priority
 from engine.tokenization import encode_chat, encode_prompt
 from proto.convert import DEFAULT_MAX_TOKENS
 from router.request import ChatPrompt, ChatTurn, RouterRequest, TextPrompt, TokenPrompt
@@ -33,11 +34,12 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 @dataclass(frozen=True)
 class Validated:
-    """A request the router can run: its prompt as token ids, engine sampling and stop strings."""
+    """A request the router can run: its prompt as token ids, engine sampling, stop strings and priority."""
 
     prompt_ids: list[int]
     params: SamplingParams
     stop: list[str]
+    priority: int = 0
 
 
 class Validator:
@@ -67,7 +69,7 @@ class Validator:
                 "sampling.max_tokens",
                 f"prompt ({len(ids)} tokens) + max_tokens ({params.max_tokens}) exceeds the context length {max_len}",
             )
-        return Validated(ids, params, stop)
+        return Validated(ids, params, stop, check_priority(request.priority))
 
     def _prompt_ids(self, request: RouterRequest) -> list[int]:
         prompt = request.prompt

@@ -13,4 +13,5 @@ fi
 .venv/bin/python -m pip install -q "$TORCH_SPEC"
 .venv/bin/python -m pip install -q -e '.[dev]'
 .venv/bin/pdserve model fetch smollm2-135m >/dev/null
+.venv/bin/python -m engine.kernels  # the C++ decode attention, compiled once for this CPU
 echo "pdserve is set up in .venv (demo model cached)"

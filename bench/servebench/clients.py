@@ -35,7 +35,7 @@ class GrpcBackend:
         sampling = pb.SamplingParams(max_tokens=spec.output_len, temperature=args.temperature, ignore_eos=args.ignore_eos)
         if args.temperature > 0:
             sampling.seed = args.seed + spec.index
-        request = pb.GenerateRequest(sampling=sampling, model=self.model or "", skip_detokenize=args.skip_detokenize)
+        request = pb.GenerateRequest(sampling=sampling, model=self.model or "", skip_detokenize=args.skip_detokenize, priority=spec.priority)
         if spec.prompt_ids is not None:
             request.token_ids.ids.extend(spec.prompt_ids)
         else:
@@ -105,6 +105,8 @@ class OpenAIBackend:
         }
         if args.ignore_eos:
             body["ignore_eos"] = True
+        if spec.priority:
+            body["priority"] = spec.priority
         if args.temperature > 0:
             body["seed"] = args.seed + spec.index
         if args.endpoint == "chat":

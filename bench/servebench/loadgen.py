@@ -31,7 +31,7 @@ async def run_load(backend, specs: list[RequestSpec], max_concurrency: int | Non
         return time.perf_counter() - t0
 
     async def one(spec: RequestSpec) -> RequestRecord:
-        rec = RequestRecord(spec.index, spec.group, spec.burst, spec.arrival_s, spec.prompt_len, spec.output_len)
+        rec = RequestRecord(spec.index, spec.group, spec.burst, spec.arrival_s, spec.prompt_len, spec.output_len, priority=spec.priority)
         try:
             delay = spec.arrival_s - clock()
             if delay > 0:

@@ -28,6 +28,7 @@ class RequestRecord:
     finish_reason: str | None = None
     server_timings: dict[str, float] | None = None
     sent: bool = False
+    priority: int = 0
 
 
 CANCELLED = "cancelled"

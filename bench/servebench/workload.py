@@ -1,5 +1,6 @@
 """The seeded workload of one serving run: `RequestSpec`s with prompt (token ids for gRPC, random
-words for HTTP), output length, arrival time, and burst requests injected at fixed times."""
+words for HTTP), output length, arrival time, priority (a seeded `--high-priority-fraction` of the main
+requests gets `--high-priority`, the rest 0), and burst requests injected at fixed times."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ class RequestSpec:
     prompt_text: str | None = None
     group: str = "main"  # "main" or "burst"
     burst: int | None = None  # index into the burst list
+    priority: int = 0  # sent as the request's priority (higher first)
 
 
 def parse_range(text: str) -> tuple[int, int]:
@@ -113,6 +115,7 @@ def build_workload(args: argparse.Namespace, rate: float, as_text: bool) -> list
         if prefix:
             spec.prompt_len += args.prefix_len
         specs.append(spec)
+    mark_high_priority(specs, getattr(args, "high_priority_fraction", 0.0), getattr(args, "high_priority", 0), rng)
     for b, at in enumerate(args.burst_at or []):
         for _ in range(args.burst_size):
             spec = RequestSpec(len(specs), args.burst_prompt_len, args.burst_output_len, float(at), group="burst", burst=b)
@@ -122,6 +125,15 @@ def build_workload(args: argparse.Namespace, rate: float, as_text: bool) -> list
                 spec.prompt_ids = random_ids(rng, spec.prompt_len, args.vocab)
             specs.append(spec)
     return specs
+
+
+def mark_high_priority(specs: list[RequestSpec], fraction: float, priority: int, rng: np.random.Generator) -> None:
+    """round(fraction x n) of the requests, drawn without replacement, get `priority` (no draw at 0,
+    so workloads without priorities stay what they were)."""
+    count = round(fraction * len(specs))
+    if count:
+        for i in rng.choice(len(specs), size=count, replace=False):
+            specs[int(i)].priority = priority
 
 
 def _file_workload(args: argparse.Namespace, rate: float, rng: np.random.Generator) -> list[RequestSpec]:

@@ -3,12 +3,14 @@
 The router core interleaves the n sequences' `GenerateResponse`s, each naming its sequence in
 `chunk.index`; `Choices.absorb` hands each to its `Choice`. The request is done when every choice
 has its finish reason; the answer lists the choices by index and its usage sums their completion
-tokens (the prompt counted once, as OpenAI does).
+tokens (the prompt counted once, as OpenAI does). With the `critical_path` extension the answer (or a
+stream's last chunk) carries the request's critical path (router.critical_path).
 """
 
 from __future__ import annotations
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.critical_path import critical_path_json
 from router.openai.convert import Prepared
 from router.openai.responses import Choice, TokenLogprob
 
@@ -17,12 +19,22 @@ class Choices:
     def __init__(self, prep: Prepared, tokenizer):
         self.prep = prep
         self.choices = [Choice(prep, tokenizer, i) for i in range(prep.request.sampling.n or 1)]
+        self.timings: pb.StageTimings | None = None
+        """The critical path of the last sequence to finish (the request's)."""
 
     def absorb(self, response: pb.GenerateResponse) -> tuple[Choice, str, list[TokenLogprob]]:
         """The message's choice, text delta and logprobs. A failed request raises OpenAIError."""
         choice = self.choices[min(response.chunk.index, len(self.choices) - 1)]
         text, entries = choice.absorb(response)
+        if response.finish_reason:
+            self.timings = response.timings
         return choice, text, entries
+
+    def with_critical_path(self, body: dict) -> dict:
+        """`body` with the request's critical path when the client asked for it and the request has finished."""
+        if self.prep.critical_path and self.finished and self.timings is not None:
+            body["critical_path"] = critical_path_json(self.timings)
+        return body
 
     @property
     def finished(self) -> bool:
@@ -39,7 +51,7 @@ class Choices:
         body = bodies[0]
         body["choices"] = [b["choices"][0] for b in bodies]
         body["usage"] = self.usage()
-        return body
+        return self.with_critical_path(body)
 
     def usage_chunk(self) -> dict:
         return {**self.choices[0].usage_chunk(), "usage": self.usage()}

@@ -39,6 +39,8 @@ class Prepared:
     tools: ToolPlan | None = None
     structured_param: str = "response_format"
     """The field the output constraint came from (its compile errors name it)."""
+    critical_path: bool = False
+    """Answer with the request's critical path (the `critical_path` extension)."""
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
 
@@ -59,9 +61,10 @@ def prepare(body: CompletionRequest | ChatCompletionRequest, settings: RouterSet
     else:
         prompt = _completion_prompt(body)
         logprobs = body.logprobs
-    prep = Prepared(kind=kind, request=RouterRequest(prompt, request_id=request_id, model=settings.model_name),
+    prep = Prepared(kind=kind, request=RouterRequest(prompt, request_id=request_id, model=settings.model_name, priority=body.priority or 0),
                     model=settings.model_name, stream=bool(body.stream), logprobs=logprobs,
                     include_usage=bool(body.stream and body.stream_options and body.stream_options.include_usage),
+                    critical_path=bool(body.critical_path),
                     id=("chatcmpl-" if kind == "chat" else "cmpl-") + request_id)
     prep.request.sampling = _sampling(prep, body, settings)
     prep.tools = plan

@@ -13,6 +13,7 @@ from typing import Annotated, Any
 from pydantic import BaseModel, ConfigDict, Field
 
 from engine.sampling import MAX_ABS_LOGIT_BIAS, MAX_ABS_PENALTY, MAX_LOGIT_BIAS_ENTRIES, MAX_LOGPROBS, MAX_N, REPETITION_PENALTY_RANGE
+from engine.sequence import PRIORITY_RANGE
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 """OpenAI's chat roles -> the router's."""
@@ -81,6 +82,10 @@ class _CommonRequest(_Strict):
     guided_json: dict | str | None = None
     guided_regex: str | None = None
     guided_grammar: str | None = None
+    critical_path: bool | None = None
+    """pdserve extension: true adds the request's critical path (per-stage seconds) to the answer."""
+    priority: Annotated[int, Field(ge=PRIORITY_RANGE[0], le=PRIORITY_RANGE[1])] | None = None
+    """Scheduling priority: higher is served first (0 when unset)."""
 
 
 class CompletionRequest(_CommonRequest):

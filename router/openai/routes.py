@@ -168,7 +168,7 @@ class OpenAIRoutes:
                     yield sse(exc.body())
                     break
                 if text or entries or response.finish_reason:
-                    yield sse(choice.chunk(text if text or prep.kind != "chat" else None, entries, choice.finish_reason))
+                    yield sse(choices.with_critical_path(choice.chunk(text if text or prep.kind != "chat" else None, entries, choice.finish_reason)))
                 if choices.finished:
                     if prep.include_usage:
                         yield sse(choices.usage_chunk())

@@ -46,14 +46,14 @@ def test_greedy_through_router_matches_hf(cluster, demo_prompt_ids, hf_greedy):
     cluster.assert_no_leaked_blocks()
 
 
-def test_metrics_expose_kv_bytes_and_ttft_stages(cluster, demo_prompt_ids):
+def test_metrics_expose_kv_bytes_and_request_stages(cluster, demo_prompt_ids):
     generate(cluster.router.address, demo_prompt_ids[0], max_tokens=4)
     text = requests.get(cluster.http_url + "/metrics", timeout=10).text
     transport = cluster.config_path.parent.name.rstrip("0123456789")
     kv_lines = [line for line in text.splitlines() if line.startswith("pdserve_kv_transfer_bytes_total{")]
     assert kv_lines and f'transport="{transport}"' in kv_lines[0] and float(kv_lines[0].split()[-1]) > 0
     for stage in ("prefill_compute", "kv_transfer", "decode_admission"):
-        assert f'pdserve_ttft_stage_seconds_count{{stage="{stage}"}}' in text
+        assert f'pdserve_request_stage_seconds_count{{stage="{stage}"}}' in text
     assert "pdserve_ttft_seconds_count" in text
     cluster.assert_no_leaked_blocks()
 

@@ -218,6 +218,8 @@ def test_serve_scale_decode_under_load_then_sigterm(tmp_path, demo_prompt_ids, s
 
     with Load(address, demo_prompt_ids, threads=4, max_tokens=40) as load:
         load.wait_ok(2)
+        shown = cli(serve, "status").stdout  # the last minute's critical path and the verdict, with its reason
+        assert "critical path  last 60 s:" in shown and "disaggregation: " in shown and "deciding stage: " in shown, shown
         phase("load running; scaling decode to 2")
         up = json.loads(cli(serve, "scale", "decode=2", "--json").stdout)
         assert up["replicas"] == 2 and len(up["added"]) == 1 and not up["errors"], up

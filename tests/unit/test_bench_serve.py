@@ -187,6 +187,18 @@ def test_prefix_workload_shares_prefixes():
     assert all(len(s.prompt_ids) == s.prompt_len == 20 for s in specs)
 
 
+def test_high_priority_fraction_marks_a_seeded_share_and_leaves_other_draws_alone():
+    plain = serve.build_workload(args_for("--num-prompts", "40", "--seed", "5"), 2.0, as_text=False)
+    args = args_for("--num-prompts", "40", "--seed", "5", "--high-priority-fraction", "0.25", "--high-priority", "9",
+                    "--burst-at", "1", "--burst-size", "2")
+    specs = serve.build_workload(args, 2.0, as_text=False)
+    main = [s for s in specs if s.group == "main"]
+    assert sorted(s.priority for s in main) == [0] * 30 + [9] * 10
+    assert all(s.priority == 0 for s in specs if s.group == "burst")
+    assert [s.priority for s in serve.build_workload(args, 2.0, as_text=False)] == [s.priority for s in specs]
+    assert [s.prompt_ids for s in main] == [s.prompt_ids for s in plain] and all(s.priority == 0 for s in plain)
+
+
 def test_chat_mix_covers_its_classes():
     args = args_for("--dataset", "chat", "--num-prompts", "400")
     lens = [s.prompt_len for s in serve.build_workload(args, math.inf, as_text=False)]

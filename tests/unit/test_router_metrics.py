@@ -101,7 +101,7 @@ def test_dashboard_uses_only_exported_metrics():
     assert used - names == set(), f"the dashboard uses metrics the router does not export: {sorted(used - names)}"
     # what the dashboard is for: latency quantiles, per-stage TTFT, outcomes, engine load, cache, tokens, KV moved
     for needed in ("pdserve_ttft_seconds_bucket", "pdserve_itl_seconds_bucket", "pdserve_e2e_seconds_bucket",
-                   "pdserve_ttft_stage_seconds_bucket", "pdserve_requests_total", "pdserve_kv_cache_usage_ratio",
+                   "pdserve_request_stage_seconds_bucket", "pdserve_requests_total", "pdserve_kv_cache_usage_ratio",
                    "pdserve_num_requests_running", "pdserve_num_requests_waiting", "pdserve_num_preemptions_total",
                    "pdserve_prefix_cache_hits_total", "pdserve_generation_tokens_total", "pdserve_kv_transfer_bytes_total"):
         assert needed in used, needed

@@ -62,6 +62,7 @@ def test_unset_sampling_takes_the_defaults():
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(logit_bias={5: -101})), "sampling.logit_bias[5]"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(max_tokens=4, min_tokens=5)), "sampling.min_tokens"),
     (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), sampling=pb.SamplingParams(n=17)), "sampling.n"),
+    (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]), priority=1001), "priority"),
 ])
 def test_errors_name_the_grpc_field(request_, field):
     with pytest.raises(InvalidRequestError) as info:
@@ -77,6 +78,16 @@ def test_logits_controls_travel_unchanged_router_to_workers():
     assert params.logit_bias == ((5, 2.5), (7, -100.0)) and params.min_tokens == 4
     assert sampling_from_proto(sampling_to_proto(params)) == params  # what the prefill and decode workers get
     assert sampling_from_proto(pb.SamplingParams(max_tokens=3)).repetition_penalty == 1.0  # unset: off
+
+
+def test_priority_travels_to_every_decode_attempt():
+    valid = validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 2]), priority=-40, sampling=pb.SamplingParams(max_tokens=4)))
+    assert valid.priority == -40
+    assert validate(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1]))).priority == 0  # unset: the default
+    state = Progress("r", valid.prompt_ids, valid.params, 0.0, 60.0, [SequenceProgress(0, None)], priority=valid.priority)
+    assert state.next_attempt().priority == -40
+    state.sequences[0].generated = [3]
+    assert state.next_attempt().priority == -40  # a migration keeps it
 
 
 def test_a_retry_after_streamed_tokens_keeps_min_tokens_counting():

@@ -1,0 +1,88 @@
+"""The critical-path window and the "does disaggregation pay" verdict, fed with figures measured on real
+runs (tests/integration/test_critical_path.py's two staged workloads on this machine)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from deploy.commands import format_critical_path
+from proto.pdserve.v1 import pdserve_pb2 as pb
+from router.critical_path import STAGES, CriticalPathWindow, RequestPath, close_path, in_flight
+from router.verdict import PoolBusy, judge
+
+
+def path(finished_at: float, e2e: float, **stages: float) -> RequestPath:
+    full = {s: stages.get(s, 0.0) for s in STAGES}
+    return RequestPath(finished_at, full, e2e, e2e - full["decode"], 2, False)
+
+
+# means per request of the two staged runs (ms): short prompts one at a time; long prompts against decodes
+SHORT = dict(router_queue=0.2, decode_admission=0.4, prefill_queue=1.5, prefill_compute=268.7, kv_transfer=7.6,
+             first_token=0.4, decode=87.6, other=5.5)
+LONG = dict(router_queue=0.1, decode_admission=48.7, prefill_queue=381.2, prefill_compute=1876.3, kv_transfer=11.5,
+            first_token=0.4, decode=2625.4, other=307.4)
+
+
+def sequential(stages_ms: dict, n: int, gap_s: float = 0.02) -> list[RequestPath]:
+    e2e = sum(stages_ms.values()) / 1e3
+    return [path((i + 1) * (e2e + gap_s), e2e, **{k: v / 1e3 for k, v in stages_ms.items()}) for i in range(n)]
+
+
+def test_short_prompts_one_at_a_time_do_not_pay():
+    paths = sequential(SHORT, 12)
+    verdict = judge(paths, PoolBusy(prefill=0.72, decode=0.24, prefill_workers=1, decode_workers=1), in_flight(paths))
+    assert in_flight(paths) < 1
+    assert verdict.verdict == "does not pay" and verdict.deciding_stage == "kv_transfer"
+    assert verdict.added_s == {"decode": 0.0, "prefill_compute": 0.0}  # nothing in flight to interfere with
+    assert verdict.colocated_e2e_s == pytest.approx(verdict.disaggregated_e2e_s - (7.6 + 0.4 + 0.4 + 5.5 / 2) / 1e3)
+    assert verdict.margin < 0 and "deciding stage: kv_transfer" in verdict.reason
+
+
+def test_long_prompts_against_decodes_pay():
+    e2e = sum(LONG.values()) / 1e3
+    paths = [path(t, e2e, **{k: v / 1e3 for k, v in LONG.items()}) for t in (e2e, e2e + 1, e2e + 2)]  # ~3 in flight
+    verdict = judge(paths, PoolBusy(prefill=0.86, decode=0.92, prefill_workers=1, decode_workers=1), 2.9)
+    assert verdict.verdict == "pays"  # 43 % + 46 % of each colocated worker: interference dominates
+    assert verdict.deciding_stage == "decode" and verdict.added_s["decode"] > sum(verdict.saved_s.values())
+
+
+def test_a_saturated_colocated_pool_makes_disaggregation_pay_and_no_prefill_no_verdict():
+    paths = sequential(SHORT, 3)
+    assert judge(paths, PoolBusy(1.0, 0.98, 1, 1), 3.0).verdict == "pays"
+    assert judge([], PoolBusy(1.0, 1.0, 1, 1), 1.0).verdict == "no data"
+    assert judge(paths, PoolBusy(0.0, 0.5, 0, 1), 1.0).verdict == "no data"
+
+
+def test_close_path_partitions_e2e_with_the_remainder_in_other():
+    t = pb.StageTimings(router_queue_s=0.001, decode_admission_s=0.002, prefill_queue_s=0.01, prefill_compute_s=0.2,
+                        kv_transfer_s=0.02, ttft_s=0.25)
+    close_path(t, arrived=100.0, prefill_done_at=100.245, now=101.0)
+    assert t.e2e_s == pytest.approx(1.0) and t.decode_s == pytest.approx(0.75) and t.first_token_s == pytest.approx(0.005)
+    assert t.other_s == pytest.approx(1.0 - 0.001 - 0.002 - 0.01 - 0.2 - 0.02 - 0.005 - 0.75)
+
+
+def worker(worker_id: str, role: str, stamp: float, step_seconds: float):
+    return SimpleNamespace(worker_id=worker_id, role=role, stats=pb.WorkerStats(timestamp_s=stamp, step_seconds=step_seconds))
+
+
+def test_window_busy_fractions_and_breakdown():
+    clock = SimpleNamespace(now=0.0)
+    window = CriticalPathWindow(clock=lambda: clock.now)
+    for second in range(0, 61, 10):
+        clock.now = float(second)
+        window.observe_workers([worker("p", "prefill", 1000.0 + second, 0.5 * second), worker("d", "decode", 5.0 + second, 0.25 * second)])
+    assert window.busy(30.0) == PoolBusy(prefill=0.5, decode=0.25, prefill_workers=1, decode_workers=1)
+    timings = pb.StageTimings(prefill_compute_s=0.1, kv_transfer_s=0.01, ttft_s=0.12)
+    close_path(timings, arrived=59.0, prefill_done_at=59.115, now=59.6)
+    window.record(timings, completion_tokens=5)
+    report = window.breakdown(60.0)
+    assert report["requests"] == 1 and report["stages"]["decode"]["mean_s"] == pytest.approx(0.48)
+    assert sum(f["share"] for f in report["stages"].values()) == pytest.approx(1.0)
+    assert report["itl"]["mean_s"] == pytest.approx(0.12)
+    lines = format_critical_path(report)
+    assert lines[0].startswith("critical path  last 60 s: 1 request(s)") and "DOES NOT PAY" in lines[-1]
+    clock.now = 500.0
+    window.observe_workers([])
+    assert window.breakdown(60.0)["requests"] == 0 and window.steps == {}

@@ -1,0 +1,69 @@
+"""The C++ decode attention kernel (engine.kernels) against the torch gather kernel it replaces on CPU."""
+
+import pytest
+import torch
+
+from engine import kernels
+from engine.paged_decode import decode_cpp, decode_torch, default_kernel
+
+BUILT = kernels.load()
+pytestmark = pytest.mark.skipif(BUILT is None, reason=f"no C++ toolchain here: {kernels.unavailable_reason()}")
+
+
+def _case(heads, kv_heads, dim, dtype, index_dtype, block_size=16, rows=7, pool=64, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    key = torch.randn(pool + 1, block_size, kv_heads, dim, generator=g).to(dtype)
+    value = torch.randn(pool + 1, block_size, kv_heads, dim, generator=g).to(dtype)
+    lens = torch.randint(1, 6 * block_size, (rows,), generator=g)
+    lens[0], lens[1] = 1, 6 * block_size  # one key only; a row that fills its table exactly
+    table = torch.randperm(pool, generator=g)[: rows * 6].view(rows, 6)
+    q = torch.randn(rows, heads, dim, generator=g).to(dtype)
+    return q, key, value, table.to(index_dtype), lens.to(index_dtype)
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 16), (4, 1, 32), (2, 2, 128)])
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_matches_the_gather_kernel_in_fp32(heads, kv_heads, dim, index_dtype):
+    q, key, value, table, lens = _case(heads, kv_heads, dim, torch.float32, index_dtype)
+    expected = decode_torch(q, key, value, table.long(), lens.long(), None)
+    got = decode_cpp(q, key, value, table, lens, None)
+    assert got.shape == expected.shape and got.dtype == torch.float32
+    assert (got - expected).abs().max().item() < 2e-6
+
+
+def test_bf16_pool_is_computed_in_fp32():
+    q, key, value, table, lens = _case(9, 3, 64, torch.bfloat16, torch.int32)
+    exact = decode_torch(q.float(), key.float(), value.float(), table.long(), lens.long(), None)
+    got = decode_cpp(q, key, value, table, lens, None)
+    assert got.dtype == torch.bfloat16
+    assert (got.float() - exact).abs().max().item() <= 2**-7  # only the output's bf16 rounding
+
+
+def test_reads_only_the_rows_own_blocks():
+    q, key, value, table, lens = _case(9, 3, 64, torch.float32, torch.int64)
+    before = decode_cpp(q, key, value, table, lens, 0.125)
+    unused = torch.ones(key.shape[0], dtype=torch.bool)
+    for row, n in enumerate(lens.tolist()):
+        unused[table[row, : -(-n // key.shape[1])]] = False
+    key[unused] = float("nan")
+    value[unused] = float("nan")
+    assert torch.equal(decode_cpp(q, key, value, table, lens, 0.125), before)
+
+
+def test_q_may_be_a_strided_view():
+    q, key, value, table, lens = _case(9, 3, 64, torch.float32, torch.int64)
+    strided = q.transpose(0, 1).contiguous().transpose(0, 1)  # [T, H, D] view of [H, T, D], as attention passes it
+    assert torch.equal(decode_cpp(strided, key, value, table, lens, None), decode_cpp(q, key, value, table, lens, None))
+
+
+def test_bad_shapes_are_refused_with_a_reason():
+    q, key, value, table, lens = _case(9, 3, 64, torch.float32, torch.int64)
+    with pytest.raises(RuntimeError, match="outside"):
+        decode_cpp(q, key, value, table, lens + 1000, None)
+    with pytest.raises(RuntimeError, match="one index dtype"):
+        decode_cpp(q, key, value, table.int(), lens, None)
+
+
+def test_the_cpu_default_is_the_cpp_kernel_for_supported_head_sizes():
+    assert default_kernel(torch.device("cpu"), 64) == "cpp"
+    assert default_kernel(torch.device("cpu"), 72) == "torch"
