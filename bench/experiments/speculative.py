@@ -134,8 +134,8 @@ def markdown(report: dict[str, Any]) -> str:
               "(the 49152 x 576 lm_head: 14 ms for one row, 31 ms for two, one thread), so a step verifying 5 proposals costs about "
               "1.5-2x a plain decode step here; at an acceptance of ~0.6 that leaves ~1.4x at c1. The switch turns speculation "
               "off at 64 requests (its probes, one request every 16 idle steps, are what remains); the ratio there is within "
-              "the noise of a shared machine. On a GPU, where decode reads weights and verification is almost free, the same "
-              "switch keeps every proposal.", "", "![speculative](../bench/results/speculative.png)", END]
+              "the noise of a shared machine. On a GPU, where decode is bound by reading weights and verification is almost "
+              "free, the switch should keep the proposals (not measured here).", "", "![speculative](../bench/results/speculative.png)", END]
     return "\n".join(lines)
 
 
