@@ -6,7 +6,7 @@ read it without loading the model runtime.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from common.hardware import auto_dtype
 from common.validation import ConfigError, is_number, non_negative_int, one_of, positive_int, reject_unknown
@@ -15,6 +15,46 @@ BLOCK_SIZES = (8, 16, 32, 64, 128)
 OPTIONAL = ("num_kv_blocks", "max_model_len", "num_threads")
 KV_POLICIES = ("max_utilization", "guaranteed_no_evict")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+
+
+SPECULATIVE_METHODS = ("off", "ngram")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """`engine.speculative`: propose tokens cheaply, verify them in one forward (engine.speculative)."""
+
+    method: str = "off"
+    """off, or ngram (prompt lookup: the tokens that followed the latest earlier occurrence of the last n tokens)."""
+    num_speculative_tokens: int = 4
+    """Most tokens proposed per request and step (k): a verified step yields 1..k+1 tokens."""
+    ngram_min: int = 2
+    ngram_max: int = 4
+    """Longest and shortest suffix the ngram proposer looks up (it tries the longest first)."""
+    adaptive: bool = True
+    """Speculate in a step only while the measured cost model says it pays (false: whenever a proposal exists)."""
+
+    def validate(self, prefix: str) -> None:
+        one_of(f"{prefix}.method", self.method, SPECULATIVE_METHODS)
+        for name in ("num_speculative_tokens", "ngram_min", "ngram_max"):
+            positive_int(f"{prefix}.{name}", getattr(self, name))
+        if self.ngram_max < self.ngram_min:
+            raise ConfigError(f"{prefix}.ngram_max", f"must be >= ngram_min ({self.ngram_min}), got {self.ngram_max!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"{prefix}.adaptive", f"must be true or false, got {self.adaptive!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.method != "off"
+
+    @classmethod
+    def from_value(cls, value, prefix: str) -> SpeculativeConfig:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(prefix, f"must be a mapping, got {value!r}")
+        reject_unknown(value, cls, prefix + ".")
+        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -51,8 +91,10 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     """Ranks (processes, one GPU each on CUDA) the model is split over; set per pool in a cluster config
     (`pools.<role>.tensor_parallel_size`), which `PdserveConfig.engine_for` copies here."""
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative, "engine.speculative"))
         self.validate()
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.device))
@@ -72,6 +114,7 @@ class EngineConfig:
         for name in ("kv_cache_memory_mb", "num_kv_blocks", "max_model_len", "max_num_batched_tokens", "max_num_seqs", "num_threads",
                      "tensor_parallel_size"):
             positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)
+        self.speculative.validate(f"{prefix}.speculative")
 
     @classmethod
     def from_dict(cls, data: dict, prefix: str = "engine") -> EngineConfig:

@@ -132,6 +132,16 @@ class BlockManager:
         seq.block_ids = []
         self._seq_hashes.pop(seq.request_id, None)
 
+    def shrink(self, seq: Sequence, num_tokens: int) -> None:
+        """Free the sequence's blocks past the first `num_tokens` tokens (speculative slots it rejected)."""
+        keep = self.blocks_for_tokens(num_tokens)
+        for block in reversed(seq.block_ids[keep:]):
+            self._ref_counts[block] -= 1
+            if self._ref_counts[block] == 0:
+                self._free[block] = None
+                self._free.move_to_end(block, last=False)
+        del seq.block_ids[keep:]
+
     def reset_prefix_cache(self) -> None:
         self._cached.clear()
         self._block_hash.clear()

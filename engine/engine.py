@@ -41,6 +41,7 @@ from engine.sampler import Sample, Sampler
 from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, RequestState, Sequence, check_priority
+from engine.speculative import Speculator
 from engine.structured import GrammarCache, StructuredOutputs
 
 log = logging.getLogger(__name__)
@@ -82,6 +83,10 @@ class EngineStats:
     """Cumulative prompt tokens run through the model (prefix-cache hits and received KV excluded)."""
     generation_tokens: int
     """Cumulative tokens sampled (a prefill worker's first tokens included)."""
+    spec_proposed_tokens: int = 0
+    """Speculative decoding: proposed tokens verified, those accepted, and steps that verified any."""
+    spec_accepted_tokens: int = 0
+    spec_steps: int = 0
 
 
 @dataclass
@@ -132,6 +137,7 @@ class Engine:
         self.eos_token_ids = frozenset(self.loaded.eos_token_ids)
         grammars = GrammarCache(self.loaded.tokenizer, self.vocab_size, self.eos_token_ids)
         self.sampler = Sampler(config.seed, self.eos_token_ids, StructuredOutputs(grammars))
+        self.speculator = Speculator(config.speculative, self.blocks, config.max_num_batched_tokens) if config.speculative.enabled else None
         self._requests: dict[str, Sequence] = {}
         self._pending_outputs: list[RequestOutput] = []
         self.counters = StepCounters()
@@ -227,7 +233,10 @@ class Engine:
             return outputs
         started, began = time.perf_counter(), time.monotonic()
         self._apply_num_threads()
+        proposals = self.speculator.propose(plan.scheduled) if self.speculator else {}
         items = [s.step_item() for s in plan.scheduled]
+        if proposals:
+            items = Speculator.with_proposals(items, proposals)
         sends = self._sink_requests(plan.scheduled)
         hook = layer_hook(self.kv_cache, self.kv_sink, sends)
         if self.parallel is None:
@@ -236,18 +245,24 @@ class Engine:
             order, logits = self.parallel.run_step(self.runner, items, sends, hook)
         ordered = [plan.scheduled[i] for i in order]
         sampling = [s.seq for s in ordered if s.samples]
-        samples = self.sampler.sample(logits, sampling)
-        self.counters.record(ordered, len(sampling), time.perf_counter() - started)
+        if self.speculator:
+            samples = self.speculator.sample(logits, self.sampler, sampling, [proposals.get(i, []) for i in order if plan.scheduled[i].samples])
+        else:
+            samples = [[sample] for sample in self.sampler.sample(logits, sampling)]
+        seconds = time.perf_counter() - started
+        self.counters.record(ordered, sum(map(len, samples)), seconds)
+        if self.speculator:
+            self.speculator.record_step(sum(item.num_tokens for item in items), len(proposals), seconds)
         for item in ordered:
             item.seq.first_step_at = item.seq.first_step_at or began
             item.seq.num_computed_tokens += item.num_tokens
             self.blocks.commit_computed(item.seq)
         for seq in sampling:
             self._fork(seq)
-        for seq, sample in zip(sampling, samples):
+        for seq, accepted in zip(sampling, samples):
             out = RequestOutput(seq.group_id, index=seq.index, num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.num_cached_tokens,
                                 first_step_at=seq.first_step_at)
-            self._emit(seq, sample, out)
+            self._emit_all(seq, accepted, out)
             if seq.state.finished:
                 self.scheduler.remove(seq)
                 self._finish(seq)
@@ -271,7 +286,14 @@ class Engine:
             step_seconds=self.counters.step_seconds,
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict[str, int]:
+        if self.speculator is None:
+            return {}
+        s = self.speculator.stats
+        return {"spec_proposed_tokens": s.proposed_tokens, "spec_accepted_tokens": s.accepted_tokens, "spec_steps": s.steps}
 
     # ---- internals -----------------------------------------------------------------------------
     def _apply_num_threads(self) -> None:
@@ -345,8 +367,23 @@ class Engine:
             out.finished = True
             out.finish_reason = seq.finish_reason
 
+    def _emit_all(self, seq: Sequence, samples: list[Sample], out: RequestOutput) -> None:
+        """Append a step's tokens one by one until one finishes the sequence. All but the last were
+        verified proposals, whose KV this step computed; blocks past the tokens kept are freed."""
+        for i, sample in enumerate(samples):
+            if seq.state.finished:
+                break
+            self._emit(seq, sample, out)
+            if i < len(samples) - 1:
+                seq.num_computed_tokens += 1
+        if len(samples) > 1 and not seq.state.finished:
+            self.blocks.commit_computed(seq)
+            self.blocks.shrink(seq, seq.num_tokens)
+
     def _finish(self, seq: Sequence) -> None:
         self.sampler.forget(seq.request_id)
+        if self.speculator:
+            self.speculator.forget(seq.request_id)
         if seq.state is RequestState.FINISHED_PREFILLED:
             return  # blocks held for the KV sender until release()
         self._requests.pop(seq.request_id, None)

@@ -80,8 +80,8 @@ class ModelRunner:
     def execute(
         self, batch: list[StepItem], on_layer_written: Callable[[int], None] | None = None
     ) -> tuple[list[int], torch.Tensor]:
-        """Returns the packed order (indices into `batch`) and the logits `[num_sampling, vocab]` of the
-        sampling members of the batch, in that order."""
+        """Returns the packed order (indices into `batch`) and the logits `[num_sampling_rows, vocab]` of
+        the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
         order = [i for i, s in enumerate(batch) if s.num_tokens == 1]
@@ -111,7 +111,7 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             if item.samples:
-                sampling_rows.append(len(ids) - 1)
+                sampling_rows.extend(range(len(ids) - 1 - item.num_proposed, len(ids)))
         dev = self.device
         return (
             torch.tensor(ids, dtype=torch.long, device=dev),

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.logits_processors import LogitsAdjuster
+from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from engine.structured import StructuredOutputs
 
@@ -65,21 +66,25 @@ class Sampler:
         return samples
 
     def _draw(self, row: torch.Tensor, seq: Sequence) -> int:
-        p = seq.params
-        scaled = row / max(p.temperature, 1e-5)
-        if p.top_k and p.top_k < scaled.numel():
-            kth = torch.topk(scaled, p.top_k).values[-1]
+        return int(torch.multinomial(self.probs(row, seq.params), 1, generator=self.generator(seq)).item())
+
+    @staticmethod
+    def probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
+        """The request's sampling distribution over the last dimension (temperature, top-k, top-p applied)."""
+        scaled = logits / max(p.temperature, 1e-5)
+        if p.top_k and p.top_k < scaled.shape[-1]:
+            kth = torch.topk(scaled, p.top_k, dim=-1).values[..., -1:]
             scaled = scaled.masked_fill(scaled < kth, float("-inf"))
         probs = torch.softmax(scaled, dim=-1)
         if p.top_p < 1.0:
-            sorted_probs, order = torch.sort(probs, descending=True)
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             cumulative = torch.cumsum(sorted_probs, dim=-1)
             drop = cumulative - sorted_probs > p.top_p  # keep the smallest prefix reaching top_p
             sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
-        return int(torch.multinomial(probs, 1, generator=self._generator(seq)).item())
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+        return probs
 
-    def _generator(self, seq: Sequence) -> torch.Generator:
+    def generator(self, seq: Sequence) -> torch.Generator:
         gen = self._generators.get(seq.request_id)
         if gen is None:
             seed = seq.seed

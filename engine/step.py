@@ -20,6 +20,9 @@ class StepItem:
     """The request's block table (at least the blocks covering start + len(token_ids) tokens)."""
     samples: bool
     """The step computes the request's last known token, so its logits row is returned."""
+    num_proposed: int = 0
+    """Speculative decoding: the last num_proposed token_ids are proposals to verify; logits rows are
+    returned for the last known token and for each of them (1 + num_proposed rows)."""
 
     @property
     def num_tokens(self) -> int:

@@ -22,6 +22,8 @@ class DetokenizerStep:
     """Text newly safe to show after this call."""
     stopped: bool = False
     """A stop string was found; the request should end now."""
+    num_tokens: int = 0
+    """Tokens of this call's input consumed: all of them, or those up to the one that completed a stop string."""
 
 
 class IncrementalDetokenizer:
@@ -42,15 +44,19 @@ class IncrementalDetokenizer:
         if self.stopped:
             return DetokenizerStep("", True)
         released = ""
-        for token in token_ids:
+        consumed = 0
+        for token in token_ids:  # token by token: a chunk of several tokens stops where a stop string completes
             self._ids.append(token)
             self._pending += self._decode_new()
+            consumed += 1
             if self._unmatched_tokens > 0:  # within min_tokens: final text, never matched
                 self._unmatched_tokens -= 1
                 released, self._pending = released + self._pending, ""
+            elif any(stop in self._pending for stop in self._stop):
+                break
         self.text += released
         step = self._release(final=False)
-        return DetokenizerStep(released + step.text, step.stopped)
+        return DetokenizerStep(released + step.text, step.stopped, consumed)
 
     def finish(self) -> DetokenizerStep:
         if self.stopped:

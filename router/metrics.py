@@ -90,6 +90,10 @@ COUNTERS = (  # name (without _total), help, value from a WorkerStats
     ("pdserve_generation_tokens", "Tokens sampled by the engine", lambda s: s.generation_tokens),
     ("pdserve_worker_kv_sent_bytes", "KV bytes this worker sent (prefill workers)", lambda s: s.kv_bytes_sent),
     ("pdserve_worker_kv_received_bytes", "KV bytes this worker received (decode workers)", lambda s: s.kv_bytes_received),
+    ("pdserve_spec_proposed_tokens", "Speculative decoding: proposed tokens verified", lambda s: s.spec_proposed_tokens),
+    ("pdserve_spec_accepted_tokens", "Speculative decoding: proposed tokens accepted (rate = accepted / proposed)",
+     lambda s: s.spec_accepted_tokens),
+    ("pdserve_spec_steps", "Speculative decoding: engine steps that verified proposals", lambda s: s.spec_steps),
 )
 STEP_SUMMARY = "pdserve_engine_step_seconds"
 

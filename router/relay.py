@@ -118,10 +118,13 @@ class DecodeRelay:
             self.metrics.itl.observe(now - seq.last_token_at)
         state.last_token_at = seq.last_token_at = now
         chunk = pb.TokenChunk(token_ids=worker_chunk.token_ids[skip:], logprobs=worker_chunk.logprobs[skip:], index=seq.index)
+        step = seq.detok.add(list(chunk.token_ids)) if seq.detok is not None else None
+        if step is not None and step.stopped:  # a chunk of several tokens (speculative decoding) ends at the stop
+            del chunk.token_ids[step.num_tokens:]
+            del chunk.logprobs[step.num_tokens:]
         seq.add(list(chunk.token_ids))
         self.metrics.tokens.inc(len(chunk.token_ids))
-        if seq.detok is not None:
-            step = seq.detok.add(list(chunk.token_ids))
+        if step is not None:
             chunk.text = step.text
             if step.stopped:
                 return state.final(chunk, pb.FINISH_REASON_STOP, self.metrics, seq)

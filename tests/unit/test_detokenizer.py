@@ -53,3 +53,15 @@ def test_min_tokens_holds_stop_strings_until_enough_tokens(tokenizer):
     assert detok.stopped and emitted == "one. two" and steps > first_dot + 1
     plain = IncrementalDetokenizer(tokenizer, stop=["."])
     assert "".join(plain.add([t]).text for t in ids[:first_dot + 1]) == "one" and plain.stopped
+
+
+def test_a_chunk_of_several_tokens_stops_at_the_token_completing_the_stop_string(tokenizer):
+    """Speculative decoding sends several tokens at once: the stop applies token by token inside them."""
+    ids = tokenizer("The answer is 42. STOP here please")["input_ids"]
+    stop_end = next(i for i in range(len(ids)) if "STOP" in tokenizer.decode(ids[: i + 1]))
+    detok = IncrementalDetokenizer(tokenizer, stop=["STOP"])
+    first = detok.add(ids[:2])
+    assert not first.stopped and first.num_tokens == 2
+    step = detok.add(ids[2:])
+    assert step.stopped and step.num_tokens == stop_end + 1 - 2
+    assert first.text + step.text == "The answer is 42. "
