@@ -1,6 +1,6 @@
 """Experiment: speculative decoding (n-gram prompt lookup) against plain decoding, same requests.
 
-    python -m bench.experiments.speculative [--threads N] [--quick]
+    python -m bench.experiments.speculative [--threads N] [--dtype auto|float32|bfloat16] [--quick]
 
 Workload: input-grounded prompts built from this repository's own source (no downloads): "Repeat the
 following code with the variable X renamed to Y" over a function-sized excerpt, greedy, so the answer
@@ -11,7 +11,9 @@ one process, one after the other:
   c4     four requests at once            the same (target >= 1.6x)
   load64 64 requests at once              the switch must keep throughput >= 0.97x plain
 Tokens/s = output tokens / wall time of the phase (prefill included). The JSON also holds the
-acceptance rate, the steps that speculated, whether outputs were identical (greedy: they must be),
+acceptance rate, the steps that speculated, whether outputs were identical (greedy in float32: they must
+be; in bfloat16 a verifying step's several rows round differently from one-row decodes, so a near tie
+may flip), the dtype (`--dtype`, default what `engine.dtype: auto` picks here),
 and the load average (the machine may be shared). Writes bench/results/speculative.json and .png, and
 the "Speculative decoding" section of docs/benchmarks.md (between its markers).
 """
@@ -53,7 +55,8 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
 def run_phase(loaded, prompt_ids: list[list[int]], concurrency: int, max_tokens: int, method: str, threads: int | None) -> dict[str, Any]:
     from engine import Engine, EngineConfig, SamplingParams
 
-    config = EngineConfig(model=loaded.path, dtype="float32", num_threads=threads, max_num_seqs=max(concurrency, 1),
+    dtype = str(loaded.dtype).removeprefix("torch.")
+    config = EngineConfig(model=loaded.path, dtype=dtype, num_threads=threads, max_num_seqs=max(concurrency, 1),
                           speculative={"method": method, "num_speculative_tokens": 5})
     engine = Engine(config, loaded=loaded)
     outputs: dict[str, list[int]] = {}
@@ -114,7 +117,7 @@ def markdown(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
         BEGIN, "## Speculative decoding (bench/experiments/speculative.py)", "",
-        "SmolLM2-135M (float32, CPU), greedy, input-grounded prompts from this repository's code (\"Repeat the following code with the "
+        f"SmolLM2-135M ({report.get('dtype', 'float32')}, CPU), greedy, input-grounded prompts from this repository's code (\"Repeat the following code with the "
         "variable X renamed to Y\"), `engine.speculative: {method: ngram, num_speculative_tokens: 5}` with the adaptive switch, against "
         "`method: off`; tokens/s = output tokens / wall time, prefill included. Outputs identical in every phase: "
         f"{all(p['outputs_identical'] for p in report['phases'].values())}.", "",
@@ -152,12 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__, "speculative")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
     parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="model dtype (auto: what engine.dtype auto picks here)")
     parser.add_argument("--quick", action="store_true", help="tiny run (results under bench/results/quick/)")
     args = parser.parse_args(argv)
     info, started = common.begin(args.quick)
+    from common.hardware import auto_dtype
     from engine.model_loader import load_model
 
-    loaded = load_model("smollm2-135m")
+    loaded = load_model("smollm2-135m", dtype=auto_dtype("cpu") if args.dtype == "auto" else args.dtype)
     n = 2 if args.quick else 4
     max_tokens = 16 if args.quick else args.max_tokens
     phases = {
@@ -165,7 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         "c4": compare(loaded, "c4", prompts(loaded.tokenizer, n), 4, max_tokens, args.threads),
         "load64": compare(loaded, "load64", prompts(loaded.tokenizer, 8 if args.quick else 64), 64, max_tokens // 3, args.threads),
     }
-    report = {"command": common.command_line(), "machine": common.finish(info, started), "targets": TARGETS, "phases": phases,
+    report = {"command": common.command_line(), "machine": common.finish(info, started), "dtype": str(loaded.dtype).removeprefix("torch."),
+              "targets": TARGETS, "phases": phases,
               "plot": plot(phases)}
     common.save("speculative", report)
     if not args.quick:
