@@ -52,6 +52,7 @@ def load() -> ModuleType | None:
     global _failure
     from torch.utils import cpp_extension
 
+    _put_ninja_on_path()
     key = build_key()
     directory = CACHE_ROOT / key
     directory.mkdir(parents=True, exist_ok=True)
@@ -67,6 +68,18 @@ def load() -> ModuleType | None:
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
         log.warning("pdserve's C++ kernels could not be built, decode attention uses the torch gather: %s", _failure)
         return None
+
+
+def _put_ninja_on_path() -> None:
+    """torch runs `ninja` from PATH; the `ninja` package (a dependency) has it in the environment's own bin
+    directory, which is not on PATH when the environment's python is called directly."""
+    try:
+        import ninja
+    except ImportError:
+        return
+    path = os.environ.get("PATH", "")
+    if ninja.BIN_DIR not in path.split(os.pathsep):
+        os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
 
 
 def unavailable_reason() -> str | None:
