@@ -41,7 +41,7 @@ def _cpu_signature() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode()):
+    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode(), b"source copied"):
         digest.update(part)
     return digest.hexdigest()[:16]
 
@@ -56,10 +56,17 @@ def load() -> ModuleType | None:
     key = build_key()
     directory = CACHE_ROOT / key
     directory.mkdir(parents=True, exist_ok=True)
+    # Compiled from a copy inside the build directory: the build then does not depend on where this
+    # checkout lives, so every checkout with the same source shares it instead of rebuilding it.
+    source = directory / SOURCE.name
+    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
+        staged = directory / f"{SOURCE.name}.{os.getpid()}"
+        staged.write_bytes(SOURCE.read_bytes())
+        os.replace(staged, source)  # atomic: a process compiling meanwhile never sees half a file
     try:
         return cpp_extension.load(
             name=f"pdserve_paged_{key}",
-            sources=[str(SOURCE)],
+            sources=[str(source)],
             extra_cflags=FLAGS,
             build_directory=str(directory),
             verbose=False,
