@@ -61,6 +61,9 @@ class Snapshot:
     def signals(self, role: str) -> PoolSignals:
         return self.prefill if role == "prefill" else self.decode
 
+    def shape(self) -> str:
+        return f"{self.prefill.replicas}P/{self.decode.replicas}D, local prefill <= {self.local_prefill_threshold} tokens"
+
     def inputs(self) -> dict:
         return {k: v for k, v in asdict(self).items() if k != "now"}
 
@@ -76,6 +79,17 @@ class Plan:
     """(pool, replicas)."""
     reasons: tuple[str, ...] = ()
     pressure: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def shape(self, s: Snapshot) -> str:
+        """The split and threshold once the plan is carried out."""
+        n = {role: s.signals(role).replicas for role in ROLES}
+        if self.switch_to is not None:
+            n[self.switch_to] += 1
+            n[ROLES[1 - ROLES.index(self.switch_to)]] -= 1
+        if self.resize is not None:
+            n[self.resize[0]] = self.resize[1]
+        t = s.local_prefill_threshold if self.local_prefill_threshold is None else self.local_prefill_threshold
+        return Snapshot(s.now, PoolSignals(n["prefill"]), PoolSignals(n["decode"]), t).shape()
 
     @property
     def acts(self) -> bool:

@@ -18,6 +18,7 @@ from common.config import (
 from common.controller_config import AdaptiveConfig
 from deploy.adaptive import AdaptivePolicy, Snapshot
 from deploy.autoscaler import PoolSignals
+from deploy.commands import format_status
 
 ADAPTIVE = AdaptiveConfig(mode="adaptive", hold_intervals=3, action_cooldown_s=60, threshold_cooldown_s=30,
                           local_prefill_step=128, local_prefill_max=512, verdict_margin=0.05, queue_share=0.3)
@@ -194,3 +195,16 @@ def test_adaptive_config_loads_and_names_bad_fields():
                       ({"local_prefill_step": 0}, "local_prefill_step"), ({"nope": 1}, "nope")):
         with pytest.raises(ConfigError, match=f"autoscaler.adaptive.{name}"):
             config_from_dict({"autoscaler": {"adaptive": bad}})
+
+
+def test_plan_shape_and_the_status_line():
+    pol = policy()
+    plan = run(pol, [prompt_heavy(START + i * STEP, threshold=256) for i in range(3)])[-1]
+    snap = prompt_heavy(START, threshold=256)
+    assert snap.shape() == "1P/2D, local prefill <= 256 tokens"
+    assert plan.shape(snap) == "2P/1D, local prefill <= 128 tokens"
+    report = {"router": {}, "pools": {}, "autoscaler": {"enabled": True, "mode": "adaptive", "adaptive": {"reasons": list(plan.reasons)}},
+              "events": [{"time": 0.0, "pool": "controller", "from": snap.shape(), "to": plan.shape(snap), "reason": "; ".join(plan.reasons)}]}
+    text = format_status(report)
+    assert "autoscaler on  mode adaptive" in text and "now: split: prefill pressed" in text
+    assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 128 tokens (local prefill: disaggregation pays" in text
