@@ -99,7 +99,10 @@ class Plan:
 @dataclass(frozen=True)
 class Candidate:
     key: tuple
+    """What must stay the same over the held intervals: the kind, the pool, the direction."""
     reason: str
+    value: object = None
+    """The new threshold, the role switched to, or (pool, replicas)."""
 
 
 class Lane:
@@ -142,9 +145,9 @@ class AdaptivePolicy:
         pressure = {role: self.pressure(role, s) for role in ROLES}
         threshold, why_t = self._lane(self.threshold_lane, s, self._threshold(s, pressure))
         split, why_s = self._lane(self.split_lane, s, None if s.pool_busy else self._split(s, pressure))
-        plan = Plan(local_prefill_threshold=threshold.key[1] if threshold else None,
-                    switch_to=split.key[1] if split and split.key[0] == "switch" else None,
-                    resize=split.key[1:] if split and split.key[0] == "resize" else None,
+        plan = Plan(local_prefill_threshold=threshold.value if threshold else None,
+                    switch_to=split.value if split and split.key[0] == "switch" else None,
+                    resize=split.value if split and split.key[0] == "resize" else None,
                     reasons=tuple(r for r in (why_t, why_s) if r), pressure=pressure)
         self.last = plan
         return plan
@@ -163,14 +166,14 @@ class AdaptivePolicy:
         cfg, t = self.config.adaptive, s.local_prefill_threshold
         decode_hot = {k: v for k, v in pressure["decode"].items() if v > 1.0}
         if decode_hot and t > 0:
-            return Candidate(("threshold", max(0, t - cfg.local_prefill_step)),
-                             f"decode pressed ({_hot(decode_hot)}): fewer local prefills, threshold {t} -> lower")
+            return Candidate(("threshold", "down"), f"decode pressed ({_hot(decode_hot)}): fewer local prefills, threshold {t} -> lower",
+                             max(0, t - cfg.local_prefill_step))
         if s.verdict == "pays" and s.margin >= cfg.verdict_margin and t > 0:
-            return Candidate(("threshold", max(0, t - cfg.local_prefill_step)),
-                             f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the prefill pool")
+            return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "
+                             "prefill pool", max(0, t - cfg.local_prefill_step))
         if s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and not decode_hot and t < cfg.local_prefill_max:
-            return Candidate(("threshold", min(cfg.local_prefill_max, t + cfg.local_prefill_step)),
-                             f"disaggregation does not pay ({s.margin:+.1%}): threshold {t} -> higher, more prompts prefill locally")
+            return Candidate(("threshold", "up"), f"disaggregation does not pay ({s.margin:+.1%}): threshold {t} -> higher, more "
+                             "prompts prefill locally", min(cfg.local_prefill_max, t + cfg.local_prefill_step))
         return None
 
     def _split(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
@@ -178,12 +181,12 @@ class AdaptivePolicy:
         for role, other in (ROLES, ROLES[::-1]):
             hot = {k: v for k, v in pressure[role].items() if v > 1.0}
             if hot and self._can_give(other, s, pressure[other]) and self._fits(role, s.signals(role).replicas + 1):
-                return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}")
+                return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}", role)
         changes = [(role, s.signals(role).replicas, d) for role, d in decisions.items() if d and d.replicas != s.signals(role).replicas]
         if not changes:
             return None
         role, n, d = min(changes, key=lambda c: c[2].replicas < c[1])  # a pool that grows first
-        return Candidate(("resize", role, d.replicas), f"{role} {n} -> {d.replicas} workers ({d.reason})")
+        return Candidate(("resize", role, d.replicas > n), f"{role} {n} -> {d.replicas} workers ({d.reason})", (role, d.replicas))
 
     def _can_give(self, role: str, s: Snapshot, pressure: dict[str, float]) -> bool:
         """`role`'s pool can lose a worker: within min_replicas, and below every threshold with one fewer."""

@@ -208,3 +208,10 @@ def test_plan_shape_and_the_status_line():
     text = format_status(report)
     assert "autoscaler on  mode adaptive" in text and "now: split: prefill pressed" in text
     assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 128 tokens (local prefill: disaggregation pays" in text
+
+
+def test_a_growing_pool_holds_on_its_direction_not_on_an_exact_target():
+    pools = dataclasses.replace(POOLS, decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=3))
+    snaps = [dataclasses.replace(prompt_heavy(START + i * STEP, p=1, d=1), prefill=PoolSignals(1, queued_prompt_tokens=q, ttft_s=2.5))
+             for i, q in enumerate((2500, 3500, 2500))]
+    assert [p.resize for p in run(policy(pools), snaps)] == [None, None, ("prefill", 3)]
