@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from common.controller_config import AdaptiveConfig
 from common.engine_config import EngineConfig
 from common.faultspec import parse_faults
 from common.plugins import KV_TRANSPORTS, ROUTING_POLICIES
@@ -220,6 +221,7 @@ class AutoscalerConfig:
     """Longest a scale-down waits for a worker's requests in flight to finish."""
     prefill: PrefillScalingConfig = field(default_factory=PrefillScalingConfig)
     decode: DecodeScalingConfig = field(default_factory=DecodeScalingConfig)
+    adaptive: AdaptiveConfig = field(default_factory=AdaptiveConfig)
 
     def validate(self, prefix: str) -> None:
         if not isinstance(self.enabled, bool):
@@ -397,8 +399,9 @@ def _build_autoscaler(data: dict) -> AutoscalerConfig:
     reject_unknown(data, AutoscalerConfig, "autoscaler.")
     prefill = _build(PrefillScalingConfig, _section(data, "prefill", "autoscaler."), "autoscaler.prefill")
     decode = _build(DecodeScalingConfig, _section(data, "decode", "autoscaler."), "autoscaler.decode")
-    flat = {k: v for k, v in data.items() if k not in ("prefill", "decode")}
-    return _build(AutoscalerConfig, {**flat, "prefill": prefill, "decode": decode}, "autoscaler")
+    adaptive = _build(AdaptiveConfig, _section(data, "adaptive", "autoscaler."), "autoscaler.adaptive")
+    flat = {k: v for k, v in data.items() if k not in ("prefill", "decode", "adaptive")}
+    return _build(AutoscalerConfig, {**flat, "prefill": prefill, "decode": decode, "adaptive": adaptive}, "autoscaler")
 
 
 def _installed(module: str) -> bool:

@@ -23,8 +23,9 @@ on a command line, in the environment, in runtime_env (which Ray shows in its da
 in runtime_env_setup logs) or in the config.
 
 The router actor: `start()`, `pool_view()` (its registry: who is registered and healthy),
-`latency_buckets()` (TTFT / ITL histograms for the autoscaler), `summary()`, `drain()` (stop
-admitting, wait for requests in flight), `stop()`.
+`latency_buckets()` (TTFT / ITL histograms for the autoscaler), `summary()`,
+`set_local_prefill_threshold()` (the adaptive controller), `drain()` (stop admitting, wait for
+requests in flight), `stop()`.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ from common.config import PdserveConfig
 from common.role_switch import ROLE_NAMES
 from common.secrets import HandedSecret
 from common.serving import ServerControl, configure_logging, wait_idle
+from common.validation import non_negative_int
 from deploy.hosting import ServerThread
 from deploy.ranks import RayRanks
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -200,9 +202,21 @@ class RouterActor:
 
         async def read() -> dict[str, Any]:
             return {"draining": router.draining, "in_flight_requests": router.admission.requests,
-                    "in_flight_prompt_tokens": router.admission.tokens, "critical_path": router.metrics.critical_path.breakdown()}
+                    "in_flight_prompt_tokens": router.admission.tokens, "critical_path": router.metrics.critical_path.breakdown(),
+                    "local_prefill_threshold": router.orchestrator.local_prefill_threshold}
 
         return self.server.call(read, timeout_s=10.0)
+
+    def set_local_prefill_threshold(self, tokens: int) -> int:
+        """Prompts up to `tokens` prefill on their decode worker from now on (0: none); returns the old threshold."""
+        non_negative_int("local_prefill_threshold", tokens)
+        orchestrator = self.server.handles["router"].orchestrator
+
+        async def swap() -> int:
+            old, orchestrator.local_prefill_threshold = orchestrator.local_prefill_threshold, tokens
+            return old
+
+        return self.server.call(swap, timeout_s=10.0)
 
     def drain(self, timeout_s: float = 30.0) -> int:
         """Stop admitting (new requests get UNAVAILABLE) and wait for requests in flight; returns

@@ -114,8 +114,8 @@ class PoolAutoscaler:
             return Decision(target, "; ".join(f"{k} at {v:.2f}x threshold" for k, v in sorted(hot.items())))
         if s.replicas <= lo:
             return None
-        spread = s.replicas / (s.replicas - 1)
-        projected = {k: v * spread if k in LOAD_SIGNALS else v for k, v in pressure.items()}
+        spread = s.replicas / (s.replicas - 1) if s.replicas > 1 else math.inf  # to 0 workers: only with no load
+        projected = {k: v * spread if k in LOAD_SIGNALS and v > 0 else v for k, v in pressure.items()}
         if any(v >= self.policy.downscale_ratio for v in projected.values()):
             self.last_busy = now
             return None

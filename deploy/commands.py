@@ -120,7 +120,8 @@ def format_status(report: dict) -> str:
                          f"kv={100 * w['kv_usage']:.0f}%")
     lines.extend(format_critical_path(r.get("critical_path")))
     scaler = report.get("autoscaler", {})
-    lines.append(f"autoscaler {'on' if scaler.get('enabled') else 'off'}")
+    lines.append(f"autoscaler {'on' if scaler.get('enabled') else 'off'}  mode {scaler.get('mode', 'pools')}")
+    lines.extend(f"  now: {reason}" for reason in (scaler.get("adaptive") or {}).get("reasons", []))
     for event in report.get("events", [])[-5:]:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         lines.append(f"  {when} {event['pool']}: {event.get('from', '?')} -> {event.get('to', '?')} ({event['reason']})")

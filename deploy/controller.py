@@ -6,7 +6,9 @@ Lifecycle:
                 (one placement group + one actor per worker); returns the router's endpoints once
                 every worker registered with the router. Then a monitor task runs every interval:
                 it reads each worker's Stats, replaces workers whose actor died (back to the pool's
-                target), and, with `autoscaler.enabled`, asks each pool's `PoolAutoscaler`.
+                target), and, with `autoscaler.enabled`, asks each pool's `PoolAutoscaler` or, with
+                `autoscaler.adaptive.mode: adaptive`, the one `AdaptivePolicy` (deploy/adaptive.py:
+                local-prefill threshold, role switches, pool sizes; each plan is an event with its inputs).
   `scale(role, n)`  up: new placement group + worker actor, wait until the router lists it as
                 healthy; down: pick the least loaded workers, drain them (Deregister from the
                 router, wait for requests in flight to finish), kill the actor, remove its group.
@@ -34,6 +36,7 @@ from ray.exceptions import RayActorError
 from common.config import PdserveConfig
 from common.secrets import SECRET_ENV, HandedSecret, generate_secret, secret_source
 from deploy.actors import RouterActor, WorkerActor
+from deploy.adaptive import AdaptivePolicy, Snapshot
 from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
 from deploy.placement import Placement, dispose, wait_ref
 from deploy.slots import Pool, WorkerSlot, worker_status
@@ -73,10 +76,10 @@ class Controller:
         self.options = options
         self.router = self.router_pg = None
         self.router_info: dict = {}
-        self.pools = {
-            role: Pool(role, getattr(config.pools, role), PoolAutoscaler(role, config.autoscaler, getattr(config.pools, role)))
-            for role in ROLES
-        }
+        adaptive = config.autoscaler.adaptive.mode == "adaptive"
+        self.policy = AdaptivePolicy(config.autoscaler, config.pools, time.monotonic()) if adaptive else None
+        self.pools = {role: Pool(role, getattr(config.pools, role), self.policy.scalers[role] if self.policy else
+                                 PoolAutoscaler(role, config.autoscaler, getattr(config.pools, role))) for role in ROLES}
         self.events: collections.deque[dict] = collections.deque(maxlen=50)
         self._ids = itertools.count()
         self._monitor_task: asyncio.Task | None = None
@@ -317,16 +320,41 @@ class Controller:
                 dispose(slot.actor, slot.pg)
                 self.events.append({"time": time.time(), "pool": pool.role, "reason": f"{slot.worker_id} died"})
         await self._sample_latency()
+        busy = any(pool.lock.locked() or len(pool.active()) < pool.target for pool in self.pools.values())
         for pool in self.pools.values():
             if pool.lock.locked() or self.stopping:
                 continue
             if len(pool.active()) < pool.target:
                 asyncio.create_task(self._scale_to(pool, pool.target, "replace lost workers"))
                 continue
-            if self.config.autoscaler.enabled:
+            if self.config.autoscaler.enabled and self.policy is None:
                 decision = pool.autoscaler.decide(self._signals(pool))
                 if decision is not None and decision.replicas != len(pool.active()):
                     asyncio.create_task(self._scale_to(pool, decision.replicas, f"autoscaler: {decision.reason}"))
+        if self.config.autoscaler.enabled and self.policy is not None and not self.stopping:
+            await self._adapt(busy)
+
+    async def _adapt(self, pool_busy: bool) -> None:
+        """One adaptive plan: threshold to the router now; a role switch or resize as a task (they take seconds)."""
+        summary = await wait_ref(self.router.summary.remote(), 5.0)
+        snapshot = Snapshot.from_router(time.monotonic(), self._signals(self.pools["prefill"]), self._signals(self.pools["decode"]),
+                                        summary, pool_busy)
+        plan = self.policy.decide(snapshot)
+        if not plan.acts:
+            return
+        reason = "; ".join(plan.reasons)
+        self.events.append({"time": time.time(), "pool": "controller", "from": snapshot.shape(), "to": plan.shape(snapshot),
+                            "reason": reason, "inputs": snapshot.inputs()})
+        log.warning("controller: %s -> %s (%s)", snapshot.shape(), plan.shape(snapshot), reason)
+        if plan.local_prefill_threshold is not None:
+            await wait_ref(self.router.set_local_prefill_threshold.remote(plan.local_prefill_threshold), 5.0)
+        if plan.switch_to is not None:
+            source = self.pools[ROLES[1 - ROLES.index(plan.switch_to)]]
+            victim = (await self._pick_victims(source, 1))[0]
+            _spawn(self.switch_role(victim.worker_id, plan.switch_to))
+        if plan.resize is not None:
+            role, n = plan.resize
+            _spawn(self._scale_to(self.pools[role], n, f"controller: {reason}"))
 
     def _signals(self, pool: Pool) -> PoolSignals:
         ready = pool.ready()
@@ -388,11 +416,18 @@ class Controller:
             "interval_s": scaler.interval_s,
             "latency": {"quantile": scaler.latency_quantile, "ttft_s": self.latency["ttft"], "itl_s": self.latency["itl"]},
             "pressure": {role: pool.autoscaler.last_pressure for role, pool in self.pools.items()},
+            "mode": scaler.adaptive.mode,
         }
+        if self.policy is not None:
+            autoscaler["adaptive"] = {"reasons": list(self.policy.last.reasons), "pressure": self.policy.last.pressure}
         return {"router": router, "pools": pools, "autoscaler": autoscaler, "events": list(self.events)[-10:],
                 "security": self.authentication}
 
 
+def _spawn(operation) -> None:
+    """Run a pool operation the monitor does not wait for; its failure is logged (the next tick sees the pools as they are)."""
+    task = asyncio.create_task(operation)
+    task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning("controller action failed: %r", t.exception()))
 
 
 def _check_bounds(pool: Pool, n: int) -> None:

@@ -78,6 +78,8 @@ class Orchestrator:
         self.settings, self.tokenizer, self.pool, self.metrics = settings, tokenizer, pool, metrics
         self.config: RouterConfig = settings.config
         self.relay = DecodeRelay(self.config.stall_timeout_s, metrics)
+        self.local_prefill_threshold = self.config.local_prefill_threshold
+        """Starts at the config's; the adaptive controller (deploy/adaptive.py) moves it at run time."""
 
     async def run(self, request_id: str, request: Validated, skip_detokenize: bool, arrived: float,
                   deadline: float, trace: Context | None = None) -> AsyncIterator[pb.GenerateResponse]:
@@ -208,7 +210,7 @@ class Orchestrator:
 
     def _prefill_locally(self, prompt_ids: list[int]) -> bool:
         """Conditional disaggregation: no prefill pool, or a prompt short enough for D to run."""
-        threshold = self.config.local_prefill_threshold
+        threshold = self.local_prefill_threshold
         return not self.pool.has_role("prefill") or 0 < len(prompt_ids) <= threshold
 
 

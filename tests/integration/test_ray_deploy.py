@@ -335,3 +335,38 @@ def test_role_switch_through_the_controller_under_load(tmp_path, demo_prompt_ids
                           cwd=REPO, capture_output=True, text=True, timeout=120)
     assert same.returncode == 2 and "role: the worker is already a decode worker" in same.stderr, same.stderr
     stop_and_check_nothing_left(serve, set())
+
+
+def test_adaptive_controller_switches_a_decode_worker_to_prefill(tmp_path, demo_prompt_ids, serve_guard):
+    """`autoscaler.adaptive.mode: adaptive`: long prompts queue at the one prefill worker while two decode
+    workers idle; the controller moves a decode worker to prefill by a role switch (not a new worker),
+    logs the decision with its inputs, and no request fails."""
+    config = write_config(
+        tmp_path / "pdserve.yaml", transport="tcp",
+        engine={"kv_cache_memory_mb": 128},
+        pools={"prefill": {"replicas": 1, "min_replicas": 1, "max_replicas": 2, "num_cpus": 0.5},
+               "decode": {"replicas": 2, "min_replicas": 1, "max_replicas": 2, "num_cpus": 0.5}},
+        autoscaler={"enabled": True, "interval_s": 0.5, "upscale_cooldown_s": 1, "downscale_cooldown_s": 600,
+                    "prefill": {"queued_prompt_tokens_per_worker": 64, "ttft_slo_s": 60},
+                    "decode": {"kv_usage": 1.0, "running_requests_per_worker": 1000, "itl_slo_s": 60},
+                    "adaptive": {"mode": "adaptive", "hold_intervals": 2, "action_cooldown_s": 600, "queue_share": 0.99}},
+    )
+    serve = start_serve(config)
+    serve_guard.append(serve)
+    address = serve.ready["grpc"]
+    phase("ready")
+    long_prompts = [ids * (480 // len(ids) + 1) for ids in demo_prompt_ids[:4]]
+    with Load(address, long_prompts, threads=4, max_tokens=4) as load:
+        report = wait_for(lambda: (r := status(serve)) and len(healthy(r, "prefill")) == 2 and r, 180,
+                          "the controller to switch a decode worker to prefill", interval=1.0)
+        load.wait_ok(2)
+    assert not load.failures, load.failures
+    decisions = [e for e in report["events"] if e["pool"] == "controller"]
+    assert decisions and decisions[0]["from"].startswith("1P/2D") and decisions[0]["to"].startswith("2P/1D"), report["events"]
+    assert "prefill pressed" in decisions[0]["reason"] and decisions[0]["inputs"]["prefill"]["queued_prompt_tokens"] > 64
+    prefill_ids = [w["id"] for w in report["pools"]["prefill"]["workers"]]
+    assert sorted(i.split("-")[0] for i in prefill_ids) == ["decode", "prefill"], f"a switch, not a new worker: {prefill_ids}"
+    print(f"events: {[(e['pool'], e.get('from'), e.get('to'), e['reason'], e.get('added')) for e in report['events']]}")
+    assert report["autoscaler"]["mode"] == "adaptive" and len(report["pools"]["decode"]["workers"]) == 1
+    phase(f"switched ({load.ok} requests, none failed): {decisions[0]['reason']}")
+    stop_and_check_nothing_left(serve, set())

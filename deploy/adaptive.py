@@ -1,0 +1,205 @@
+"""The adaptive controller's policy: one snapshot of signals in, one plan out. Pure logic; no Ray, no I/O.
+
+With `autoscaler.adaptive.mode: adaptive` the controller (deploy/controller.py) builds a `Snapshot`
+every `autoscaler.interval_s` (each pool's `PoolSignals`, the router's critical-path verdict and
+stage shares, its local-prefill threshold) and asks `AdaptivePolicy.decide()`; it carries out the
+`Plan` (threshold to the router, a role switch, a resize) and logs it as an event with its inputs.
+
+Two lanes, each with its own hysteresis (a candidate acts only once it came out of `hold_intervals`
+consecutive snapshots, and no sooner than its cooldown after the lane's last action):
+  threshold  the router's local-prefill threshold, in steps of `local_prefill_step` within
+             [0, local_prefill_max]: raised when disaggregation does not pay (more requests prefill
+             on their decode worker, colocated) and decode has room; lowered when it pays or when
+             decode is pressed (local prefills interfere with decoding).
+  split      the P/D split and the pool sizes. Each pool's pressure is the per-pool autoscaler's
+             (deploy/autoscaler.py: queued tokens, TTFT / KV, running, ITL against thresholds and SLOs)
+             plus its waiting stage's share of e2e (prefill_queue, decode_admission) over
+             `queue_share`. A pressed pool takes a worker from the other pool by a role switch
+             when that pool stays below its thresholds with one worker fewer and both stay within
+             [min_replicas, max_replicas]; only otherwise does the pool's autoscaler resize it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from deploy.autoscaler import LOAD_SIGNALS, PoolAutoscaler, PoolSignals
+
+if TYPE_CHECKING:
+    from common.config import AutoscalerConfig, PoolsConfig
+
+ROLES = ("prefill", "decode")
+WAITING_STAGE = {"prefill": "prefill_queue", "decode": "decode_admission"}
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """What the controller saw at `now` (monotonic seconds)."""
+
+    now: float
+    prefill: PoolSignals
+    decode: PoolSignals
+    local_prefill_threshold: int = 0
+    verdict: str = "no data"
+    """router.verdict: "pays" | "does not pay" | "no data"."""
+    margin: float = 0.0
+    shares: dict[str, float] = field(default_factory=dict)
+    """Critical-path stage -> its share of the window's e2e latency."""
+    pool_busy: bool = False
+    """A pool operation (scale, switch) is in flight: the split lane waits."""
+
+    @classmethod
+    def from_router(cls, now: float, prefill: PoolSignals, decode: PoolSignals, summary: dict, pool_busy: bool = False) -> Snapshot:
+        """`summary`: the router actor's summary() (its critical_path breakdown and local_prefill_threshold)."""
+        cp = summary.get("critical_path") or {}
+        verdict = cp.get("verdict") or {}
+        return cls(now, prefill, decode, summary.get("local_prefill_threshold", 0), verdict.get("verdict", "no data"),
+                   verdict.get("margin", 0.0), {s: f["share"] for s, f in (cp.get("stages") or {}).items()}, pool_busy)
+
+    def signals(self, role: str) -> PoolSignals:
+        return self.prefill if role == "prefill" else self.decode
+
+    def shape(self) -> str:
+        return f"{self.prefill.replicas}P/{self.decode.replicas}D, local prefill <= {self.local_prefill_threshold} tokens"
+
+    def inputs(self) -> dict:
+        return {k: v for k, v in asdict(self).items() if k != "now"}
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What to do now; all None: keep everything. `reasons` explain actions and what is held back."""
+
+    local_prefill_threshold: int | None = None
+    switch_to: str | None = None
+    """A worker of the other pool takes this role."""
+    resize: tuple[str, int] | None = None
+    """(pool, replicas)."""
+    reasons: tuple[str, ...] = ()
+    pressure: dict[str, dict[str, float]] = field(default_factory=dict)
+
+    def shape(self, s: Snapshot) -> str:
+        """The split and threshold once the plan is carried out."""
+        n = {role: s.signals(role).replicas for role in ROLES}
+        if self.switch_to is not None:
+            n[self.switch_to] += 1
+            n[ROLES[1 - ROLES.index(self.switch_to)]] -= 1
+        if self.resize is not None:
+            n[self.resize[0]] = self.resize[1]
+        t = s.local_prefill_threshold if self.local_prefill_threshold is None else self.local_prefill_threshold
+        return Snapshot(s.now, PoolSignals(n["prefill"]), PoolSignals(n["decode"]), t).shape()
+
+    @property
+    def acts(self) -> bool:
+        return self.local_prefill_threshold is not None or self.switch_to is not None or self.resize is not None
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: tuple
+    """What must stay the same over the held intervals: the kind, the pool, the direction."""
+    reason: str
+    value: object = None
+    """The new threshold, the role switched to, or (pool, replicas)."""
+
+
+class Lane:
+    """Hysteresis of one kind of decision: the same candidate for `hold` snapshots, then a cooldown."""
+
+    def __init__(self, name: str, hold: int, cooldown_s: float):
+        self.name, self.hold, self.cooldown_s = name, hold, cooldown_s
+        self.key: tuple | None = None
+        self.streak = 0
+        self.last_action = -math.inf
+
+    def ready(self, now: float, candidate: Candidate | None) -> tuple[bool, str]:
+        """Whether `candidate` acts now, and why it does not yet."""
+        if candidate is None:
+            self.key, self.streak = None, 0
+            return False, ""
+        self.streak = self.streak + 1 if candidate.key == self.key else 1
+        self.key = candidate.key
+        if self.streak < self.hold:
+            return False, f"{self.name}: holding ({self.streak}/{self.hold}) {candidate.reason}"
+        if now - self.last_action < self.cooldown_s:
+            return False, f"{self.name}: cooling down ({now - self.last_action:.0f}/{self.cooldown_s:.0f} s) {candidate.reason}"
+        self.key, self.streak, self.last_action = None, 0, now
+        return True, f"{self.name}: {candidate.reason}"
+
+
+class AdaptivePolicy:
+    def __init__(self, config: AutoscalerConfig, pools: PoolsConfig, now: float):
+        """`now`: the start (monotonic seconds); a fresh pool does not shrink before a downscale cooldown."""
+        self.config, self.pools = config, pools
+        self.now = now
+        self.scalers = {role: PoolAutoscaler(role, config, getattr(pools, role), clock=lambda: self.now) for role in ROLES}
+        cfg = config.adaptive
+        self.threshold_lane = Lane("local prefill", cfg.hold_intervals, cfg.threshold_cooldown_s)
+        self.split_lane = Lane("split", cfg.hold_intervals, cfg.action_cooldown_s)
+        self.last: Plan = Plan()
+
+    def decide(self, s: Snapshot) -> Plan:
+        self.now = s.now
+        pressure = {role: self.pressure(role, s) for role in ROLES}
+        threshold, why_t = self._lane(self.threshold_lane, s, self._threshold(s, pressure))
+        split, why_s = self._lane(self.split_lane, s, None if s.pool_busy else self._split(s, pressure))
+        plan = Plan(local_prefill_threshold=threshold.value if threshold else None,
+                    switch_to=split.value if split and split.key[0] == "switch" else None,
+                    resize=split.value if split and split.key[0] == "resize" else None,
+                    reasons=tuple(r for r in (why_t, why_s) if r), pressure=pressure)
+        self.last = plan
+        return plan
+
+    def pressure(self, role: str, s: Snapshot) -> dict[str, float]:
+        """The pool autoscaler's pressures plus the pool's waiting stage's share of e2e (1.0: at its threshold)."""
+        stage = WAITING_STAGE[role]
+        return {**self.scalers[role].pressure(s.signals(role)), stage: s.shares.get(stage, 0.0) / self.config.adaptive.queue_share}
+
+    @staticmethod
+    def _lane(lane: Lane, s: Snapshot, candidate: Candidate | None) -> tuple[Candidate | None, str]:
+        ready, why = lane.ready(s.now, candidate)
+        return (candidate if ready else None), why
+
+    def _threshold(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
+        cfg, t = self.config.adaptive, s.local_prefill_threshold
+        decode_hot = {k: v for k, v in pressure["decode"].items() if v > 1.0}
+        if decode_hot and t > 0:
+            return Candidate(("threshold", "down"), f"decode pressed ({_hot(decode_hot)}): fewer local prefills, threshold {t} -> lower",
+                             max(0, t - cfg.local_prefill_step))
+        if s.verdict == "pays" and s.margin >= cfg.verdict_margin and t > 0:
+            return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "
+                             "prefill pool", max(0, t - cfg.local_prefill_step))
+        if s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and not decode_hot and t < cfg.local_prefill_max:
+            return Candidate(("threshold", "up"), f"disaggregation does not pay ({s.margin:+.1%}): threshold {t} -> higher, more "
+                             "prompts prefill locally", min(cfg.local_prefill_max, t + cfg.local_prefill_step))
+        return None
+
+    def _split(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
+        decisions = {role: self.scalers[role].decide(s.signals(role)) for role in ROLES}  # keeps their cooldown state
+        for role, other in (ROLES, ROLES[::-1]):
+            hot = {k: v for k, v in pressure[role].items() if v > 1.0}
+            if hot and self._can_give(other, s, pressure[other]) and self._fits(role, s.signals(role).replicas + 1):
+                return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}", role)
+        changes = [(role, s.signals(role).replicas, d) for role, d in decisions.items() if d and d.replicas != s.signals(role).replicas]
+        if not changes:
+            return None
+        role, n, d = min(changes, key=lambda c: c[2].replicas < c[1])  # a pool that grows first
+        return Candidate(("resize", role, d.replicas > n), f"{role} {n} -> {d.replicas} workers ({d.reason})", (role, d.replicas))
+
+    def _can_give(self, role: str, s: Snapshot, pressure: dict[str, float]) -> bool:
+        """`role`'s pool can lose a worker: within min_replicas, and below every threshold with one fewer."""
+        n = s.signals(role).replicas
+        if n < 1 or not self._fits(role, n - 1):
+            return False
+        spread = n / (n - 1) if n > 1 else math.inf
+        return all((v * spread if k in LOAD_SIGNALS else v) < 1.0 for k, v in pressure.items() if v > 0)
+
+    def _fits(self, role: str, n: int) -> bool:
+        pool = getattr(self.pools, role)
+        return pool.min_replicas <= n <= pool.max_replicas
+
+
+def _hot(pressure: dict[str, float]) -> str:
+    return ", ".join(f"{k} {v:.2f}x" for k, v in sorted(pressure.items()))

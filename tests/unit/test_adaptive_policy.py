@@ -1,0 +1,217 @@
+"""The adaptive controller's policy on staged snapshots: threshold, P/D split by role switch, pool sizes, hysteresis."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from common.config import (
+    AutoscalerConfig,
+    ConfigError,
+    DecodeScalingConfig,
+    PoolConfig,
+    PoolsConfig,
+    PrefillScalingConfig,
+    config_from_dict,
+)
+from common.controller_config import AdaptiveConfig
+from deploy.adaptive import AdaptivePolicy, Snapshot
+from deploy.autoscaler import PoolSignals
+from deploy.commands import format_status
+
+ADAPTIVE = AdaptiveConfig(mode="adaptive", hold_intervals=3, action_cooldown_s=60, threshold_cooldown_s=30,
+                          local_prefill_step=128, local_prefill_max=512, verdict_margin=0.05, queue_share=0.3)
+CONFIG = AutoscalerConfig(
+    enabled=True, interval_s=5, upscale_cooldown_s=10, downscale_cooldown_s=30, downscale_ratio=0.5,
+    prefill=PrefillScalingConfig(queued_prompt_tokens_per_worker=1000, ttft_slo_s=1.0),
+    decode=DecodeScalingConfig(kv_usage=0.8, running_requests_per_worker=10, itl_slo_s=0.1),
+    adaptive=ADAPTIVE,
+)
+POOLS = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=0, max_replicas=3),
+                    decode=PoolConfig(replicas=2, min_replicas=1, max_replicas=3))
+START = 1000.0
+STEP = 5.0
+
+
+def policy(pools: PoolsConfig = POOLS, config: AutoscalerConfig = CONFIG) -> AdaptivePolicy:
+    return AdaptivePolicy(config, pools, now=START)
+
+
+def prompt_heavy(now: float, p: int = 1, d: int = 2, threshold: int = 0) -> Snapshot:
+    """Long prompts queue at the prefill pool; decode is idle; disaggregation pays."""
+    return Snapshot(now, PoolSignals(p, queued_prompt_tokens=2500 * p, ttft_s=2.5), PoolSignals(d, running_requests=2, kv_usage=0.1, itl_s=0.03),
+                    local_prefill_threshold=threshold, verdict="pays", margin=0.3,
+                    shares={"prefill_queue": 0.5, "prefill_compute": 0.3, "decode": 0.1})
+
+
+def decode_heavy(now: float, p: int = 2, d: int = 1, threshold: int = 256) -> Snapshot:
+    """Short prompts, long answers: ITL over its SLO, the prefill pool idle."""
+    return Snapshot(now, PoolSignals(p, ttft_s=0.2), PoolSignals(d, running_requests=30, kv_usage=0.6, itl_s=0.3),
+                    local_prefill_threshold=threshold, verdict="pays", margin=0.01, shares={"decode": 0.8, "prefill_compute": 0.05})
+
+
+def idle(now: float, p: int = 1, d: int = 2, threshold: int = 0, verdict: str = "no data", margin: float = 0.0) -> Snapshot:
+    return Snapshot(now, PoolSignals(p), PoolSignals(d, running_requests=1, kv_usage=0.05, itl_s=0.02),
+                    local_prefill_threshold=threshold, verdict=verdict, margin=margin)
+
+
+def run(pol: AdaptivePolicy, snapshots) -> list:
+    return [pol.decide(s) for s in snapshots]
+
+
+def test_prompt_heavy_switches_a_decode_worker_to_prefill_rather_than_adding_one():
+    pol = policy()
+    plans = run(pol, [prompt_heavy(START + i * STEP) for i in range(3)])
+    assert [p.switch_to for p in plans] == [None, None, "prefill"]
+    assert all(p.resize is None for p in plans), "a role switch is cheaper than a new worker"
+    assert "holding (1/3)" in plans[0].reasons[-1] and "prefill pressed" in plans[2].reasons[-1]
+    assert plans[2].pressure["prefill"]["queued_prompt_tokens"] == pytest.approx(2.5)
+    assert plans[2].pressure["prefill"]["prefill_queue"] == pytest.approx(0.5 / 0.3)
+
+
+def test_decode_heavy_switches_a_prefill_worker_to_decode_and_lowers_the_threshold():
+    pol = policy()
+    plans = run(pol, [decode_heavy(START + i * STEP) for i in range(3)])
+    assert plans[-1].switch_to == "decode" and plans[-1].resize is None
+    assert plans[-1].local_prefill_threshold == 128, "local prefills interfere with a pressed decode pool"
+    assert any("decode pressed" in r for r in plans[-1].reasons)
+
+
+def test_no_room_for_a_switch_adds_a_worker_within_max():
+    pools = dataclasses.replace(POOLS, decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=3))
+    pol = policy(pools)
+    plans = run(pol, [prompt_heavy(START + i * STEP, p=1, d=1) for i in range(3)])
+    assert plans[-1].switch_to is None and plans[-1].resize == ("prefill", 3)  # ceil(1 x 2.5 queued pressure)
+    at_max = run(policy(pools), [prompt_heavy(START + i * STEP, p=3, d=1) for i in range(4)])
+    assert all(p.resize is None and p.switch_to is None for p in at_max), "prefill is at max_replicas, decode at min"
+
+
+def test_switch_respects_the_target_pools_max():
+    pools = dataclasses.replace(POOLS, prefill=PoolConfig(replicas=1, min_replicas=0, max_replicas=1))
+    plans = run(policy(pools), [prompt_heavy(START + i * STEP) for i in range(4)])
+    assert all(p.switch_to is None and p.resize is None for p in plans)
+
+
+def test_a_busy_giving_pool_does_not_give_a_worker():
+    pol = policy()
+    snaps = [dataclasses.replace(prompt_heavy(START + i * STEP), decode=PoolSignals(2, running_requests=15, kv_usage=0.2, itl_s=0.05))
+             for i in range(3)]
+    plans = run(pol, snaps)
+    assert plans[-1].switch_to is None, "15 running over one decode worker is above 10 per worker"
+    assert plans[-1].resize == ("prefill", 3)
+
+
+def test_does_not_pay_raises_the_threshold_step_by_step_up_to_max():
+    pol = policy()
+    t, now, changes = 0, START, []
+    for _ in range(60):
+        plan = pol.decide(idle(now, threshold=t, verdict="does not pay", margin=-0.2))
+        if plan.local_prefill_threshold is not None:
+            t = plan.local_prefill_threshold
+            changes.append((now - START, t))
+        now += STEP
+    assert [c[1] for c in changes] == [128, 256, 384, 512]
+    gaps = [b[0] - a[0] for a, b in zip(changes, changes[1:])]
+    assert all(g >= ADAPTIVE.threshold_cooldown_s for g in gaps)
+    at_max = pol.decide(idle(now, threshold=512, verdict="does not pay", margin=-0.2))
+    assert at_max.local_prefill_threshold is None and not any("local prefill" in r for r in at_max.reasons)
+
+
+def test_pays_lowers_the_threshold_and_noise_leaves_it():
+    plans = run(policy(), [idle(START + i * STEP, threshold=256, verdict="pays", margin=0.2) for i in range(3)])
+    assert plans[-1].local_prefill_threshold == 128 and "disaggregation pays" in plans[-1].reasons[0]
+    noise = run(policy(), [idle(START + i * STEP, threshold=256, verdict="does not pay", margin=-0.02) for i in range(5)])
+    assert all(p.local_prefill_threshold is None for p in noise), "a margin within verdict_margin is noise"
+    zero = run(policy(), [idle(START + i * STEP, threshold=0, verdict="pays", margin=0.5) for i in range(5)])
+    assert all(p.local_prefill_threshold is None for p in zero), "0 is the lowest threshold"
+
+
+def test_a_pressed_decode_pool_is_never_given_more_local_prefills():
+    pol = policy()
+    snaps = [dataclasses.replace(decode_heavy(START + i * STEP, threshold=0), verdict="does not pay", margin=-0.3) for i in range(5)]
+    assert all(p.local_prefill_threshold is None for p in run(pol, snaps))
+
+
+def test_alternating_signals_never_act():
+    pol = policy()
+    snaps = [(prompt_heavy if i % 2 else decode_heavy)(START + i * STEP, p=2, d=2) for i in range(20)]
+    plans = run(pol, snaps)
+    assert all(p.switch_to is None and p.resize is None for p in plans), "hysteresis: no flapping between roles"
+
+
+def test_cooldown_after_a_switch():
+    pol = policy()
+    now, switches = START, []
+    p, d = 1, 2
+    for _ in range(30):  # prefill stays pressed, decode has room until it is at min
+        plan = pol.decide(prompt_heavy(now, p=p, d=d))
+        if plan.switch_to == "prefill":
+            p, d = p + 1, d - 1
+            switches.append(now)
+        now += STEP
+    assert len(switches) == 1 and d == 1, "decode is at min_replicas after one switch"
+    pol2 = policy(dataclasses.replace(POOLS, decode=PoolConfig(replicas=3, min_replicas=1, max_replicas=3)))
+    plans = run(pol2, [prompt_heavy(START + i * STEP, p=1, d=3) for i in range(3)]
+                + [prompt_heavy(START + i * STEP, p=2, d=2) for i in range(3, 20)])
+    acted = [i for i, pl in enumerate(plans) if pl.switch_to]
+    assert acted[0] == 2 and acted[1] * STEP - acted[0] * STEP >= ADAPTIVE.action_cooldown_s
+    assert any("cooling down" in r for pl in plans[3:acted[1]] for r in pl.reasons)
+
+
+def test_quiet_pool_shrinks_through_the_folded_autoscaler():
+    pools = dataclasses.replace(POOLS, decode=PoolConfig(replicas=3, min_replicas=1, max_replicas=3))
+    pol = policy(pools)
+    plans = run(pol, [idle(START + i * STEP, p=1, d=3) for i in range(12)])
+    resized = [(i, pl.resize) for i, pl in enumerate(plans) if pl.resize]
+    assert resized and resized[0][1] in (("prefill", 0), ("decode", 2))
+    assert resized[0][0] * STEP >= CONFIG.downscale_cooldown_s, "a fresh pool waits one downscale cooldown"
+
+
+def test_a_pool_operation_in_flight_holds_the_split_lane():
+    pol = policy()
+    plans = run(pol, [dataclasses.replace(prompt_heavy(START + i * STEP), pool_busy=True) for i in range(5)])
+    assert all(p.switch_to is None and p.resize is None for p in plans)
+
+
+def test_snapshot_from_the_router_summary():
+    summary = {"local_prefill_threshold": 64, "critical_path": {
+        "stages": {"prefill_queue": {"share": 0.4, "p50_s": 0.1, "mean_s": 0.1}, "decode": {"share": 0.3, "p50_s": 0, "mean_s": 0}},
+        "verdict": {"verdict": "does not pay", "margin": -0.12}}}
+    s = Snapshot.from_router(START, PoolSignals(1), PoolSignals(1), summary)
+    assert (s.local_prefill_threshold, s.verdict, s.margin) == (64, "does not pay", -0.12)
+    assert s.shares == {"prefill_queue": 0.4, "decode": 0.3}
+    assert s.inputs()["prefill"]["replicas"] == 1 and "now" not in s.inputs()
+    empty = Snapshot.from_router(START, PoolSignals(1), PoolSignals(1), {})
+    assert (empty.verdict, empty.shares, empty.local_prefill_threshold) == ("no data", {}, 0)
+
+
+def test_adaptive_config_loads_and_names_bad_fields():
+    cfg = config_from_dict({"autoscaler": {"enabled": True, "adaptive": {"mode": "adaptive", "hold_intervals": 2}}})
+    assert cfg.autoscaler.adaptive.mode == "adaptive" and cfg.autoscaler.adaptive.hold_intervals == 2
+    assert config_from_dict({}).autoscaler.adaptive.mode == "pools"
+    for bad, name in (({"mode": "magic"}, "mode"), ({"hold_intervals": 0}, "hold_intervals"),
+                      ({"action_cooldown_s": -1}, "action_cooldown_s"), ({"queue_share": 1.5}, "queue_share"),
+                      ({"local_prefill_step": 0}, "local_prefill_step"), ({"nope": 1}, "nope")):
+        with pytest.raises(ConfigError, match=f"autoscaler.adaptive.{name}"):
+            config_from_dict({"autoscaler": {"adaptive": bad}})
+
+
+def test_plan_shape_and_the_status_line():
+    pol = policy()
+    plan = run(pol, [prompt_heavy(START + i * STEP, threshold=256) for i in range(3)])[-1]
+    snap = prompt_heavy(START, threshold=256)
+    assert snap.shape() == "1P/2D, local prefill <= 256 tokens"
+    assert plan.shape(snap) == "2P/1D, local prefill <= 128 tokens"
+    report = {"router": {}, "pools": {}, "autoscaler": {"enabled": True, "mode": "adaptive", "adaptive": {"reasons": list(plan.reasons)}},
+              "events": [{"time": 0.0, "pool": "controller", "from": snap.shape(), "to": plan.shape(snap), "reason": "; ".join(plan.reasons)}]}
+    text = format_status(report)
+    assert "autoscaler on  mode adaptive" in text and "now: split: prefill pressed" in text
+    assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 128 tokens (local prefill: disaggregation pays" in text
+
+
+def test_a_growing_pool_holds_on_its_direction_not_on_an_exact_target():
+    pools = dataclasses.replace(POOLS, decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=3))
+    snaps = [dataclasses.replace(prompt_heavy(START + i * STEP, p=1, d=1), prefill=PoolSignals(1, queued_prompt_tokens=q, ttft_s=2.5))
+             for i, q in enumerate((2500, 3500, 2500))]
+    assert [p.resize for p in run(policy(pools), snaps)] == [None, None, ("prefill", 3)]
