@@ -151,20 +151,22 @@ void score_keys(const float* qf, const scalar_t* key, const index_t* table, int6
   }
 }
 
-// In place: each head's scores become its softmax weights.
-inline void softmax_rows(float* scores, int64_t heads, int64_t length) {
+// In place: each head's scores become exp(score - max), rounded to the pool's dtype as torch's CPU
+// flash attention rounds them before its P @ V product (so a bf16 pool gives what transformers' bf16
+// SDPA gives); inverse_sums[h] = 1 / the sum of the unrounded values, applied to the output.
+template <typename scalar_t>
+inline void softmax_rows(float* scores, int64_t heads, int64_t length, float* inverse_sums) {
   for (int64_t h = 0; h < heads; ++h) {
     float* s = scores + h * length;
     const float top = *std::max_element(s, s + length);
     float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
     for (int64_t t = 0; t < length; ++t) {
-      s[t] = exp_nonpositive(s[t] - top);
-      sum += s[t];
+      const float e = exp_nonpositive(s[t] - top);
+      sum += e;
+      s[t] = as_float(static_cast<scalar_t>(e));
     }
-    const float inv = 1.f / sum;
-#pragma omp simd
-    for (int64_t t = 0; t < length; ++t) s[t] *= inv;
+    inverse_sums[h] = 1.f / sum;
   }
 }
 
@@ -201,23 +203,24 @@ void weigh_values(const float* weights, const scalar_t* value, const index_t* ta
 template <int D, typename scalar_t, typename index_t>
 void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, const index_t* table, int64_t length,
                 int64_t row, float scale, const Geometry& g, scalar_t* out, Scratch& scratch) {
-  scratch.floats.resize(g.heads * (2 * D + length));
+  scratch.floats.resize(g.heads * (2 * D + length + 1));
   scratch.partial.resize(g.heads * kLanes);
   float* qf = scratch.floats.data();  // [H, D] scaled queries
   float* acc = qf + g.heads * D;      // [H, D]
   float* scores = acc + g.heads * D;  // [H, length]
+  float* inverse_sums = scores + g.heads * length;  // [H]
   prefetch_block(key, table, 0, 1, g);
   for (int64_t h = 0; h < g.heads; ++h) {
     load_row<D>(q + row * g.q_row + h * g.q_head, qf + h * D);
     for (int i = 0; i < D; ++i) qf[h * D + i] *= scale;
   }
   score_keys<D>(qf, key, table, length, g, scores, scratch.partial.data());
-  softmax_rows(scores, g.heads, length);
+  softmax_rows<scalar_t>(scores, g.heads, length, inverse_sums);
   prefetch_block(value, table, 0, 1, g);
   weigh_values<D>(scores, value, table, length, g, acc);
   for (int64_t h = 0; h < g.heads; ++h) {
     scalar_t* o = out + row * g.o_row + h * g.o_head;
-    for (int i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[h * D + i]);
+    for (int i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[h * D + i] * inverse_sums[h]);
   }
 }
 
