@@ -212,7 +212,8 @@ def test_serve_scale_decode_under_load_then_sigterm(tmp_path, demo_prompt_ids, s
     remember_tree(serve, seen)
     address = serve.ready["grpc"]
     assert serve.ready["grpc_port"] > 0 and serve.ready["http"].startswith("http://127.0.0.1:")
-    assert any(line.startswith("pdserve ready: grpc=") for line in serve.log_lines)
+    # the JSON ready line ends start_serve's wait; the human one follows it and may not have been read yet
+    assert serve.wait_for_line("pdserve ready: grpc=", timeout=30).startswith("pdserve ready: grpc=")
     phase("ready")
     generate(address, demo_prompt_ids[0], 8)
 
