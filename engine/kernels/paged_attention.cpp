@@ -1,20 +1,25 @@
 // Decode attention that reads K and V where they live in the paged pool (CPU, fp32 and bf16).
 //
-// One task per row. K pass: the row's blocks in table order (each block one contiguous run of bytes,
-// prefetched one block ahead); each K row of a KV head is converted to fp32 once and dotted with the
-// G = H / Hkv query heads that share it, 16 keys at a time. The scores of the whole context (a few KB)
-// are softmaxed in fp32. V pass: per KV head, its query heads accumulate in registers while that head's
-// V rows stream by. No workspace, no padding: a row reads exactly `context_lens[row]` keys.
+// One task per row. The row's token offsets into the pool are computed once (no division per key). K pass:
+// 16 keys at a time (their rows of every KV head prefetched 16 keys ahead); each KV head's 16 K rows are
+// converted to fp32 once into L1 and every query head sharing them accumulates its 16 dot products in
+// registers, reduced by one transposing sum. The scores of the whole context (a few KB) are softmaxed in
+// fp32. V pass: per KV head, its query heads accumulate in registers while that head's V rows stream by.
+// A bf16 pool on a CPU with AVX512-BF16 skips the conversions: both passes use the bf16 dot-product
+// instruction on the rows as stored (products exact in fp32, sums in fp32). No workspace, no padding: a
+// row reads exactly `context_lens[row]` keys.
 // Shapes: q [B, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous);
 // block_table [B, W] int32 or int64; context_lens [B] int32 or int64; returns [B, H, D] in q's dtype.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cstring>
 #include <cmath>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -94,62 +99,110 @@ struct Geometry {
 struct Scratch {  // one per thread, reused across its rows
   std::vector<float> floats;
   std::vector<v16> partial;
+  std::vector<int64_t> offsets;
 };
 
-// Ask for block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
-// a row's blocks are scattered over the pool, which the hardware prefetchers cannot guess.
-template <typename scalar_t, typename index_t>
-inline void prefetch_block(const scalar_t* pool, const index_t* table, int64_t index, int64_t num_blocks,
-                           const Geometry& g) {
-  if (index >= num_blocks) return;
-  const char* start = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[index]) * g.k_block);
-  const int64_t bytes = g.block_size * g.k_token * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+// Ask for key/value rows [from, to) of the row's context (all KV heads of each) before they are needed: a
+// row's blocks are scattered over the pool, which the hardware prefetchers cannot guess.
+template <typename scalar_t>
+inline void prefetch_rows(const scalar_t* pool, const int64_t* offsets, int64_t from, int64_t to, const Geometry& g) {
+  const int64_t bytes = g.k_token * static_cast<int64_t>(sizeof(scalar_t));
+  for (int64_t pos = from; pos < to; ++pos) {
+    const char* start = reinterpret_cast<const char*>(pool + offsets[pos]);
+    for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+  }
 }
 
-template <typename scalar_t, typename index_t>
-inline const scalar_t* token_row(const scalar_t* pool, const index_t* table, int64_t pos, const Geometry& g) {
-  return pool + static_cast<int64_t>(table[pos / g.block_size]) * g.k_block + (pos % g.block_size) * g.k_token;
+// offsets[pos] = where key/value row `pos` of the row's context starts in the pool (K and V share strides):
+// computed once per row, so the K and V passes over every KV head index the pool with no division.
+template <typename index_t>
+inline void token_offsets(const index_t* table, int64_t length, const Geometry& g, int64_t* offsets) {
+  for (int64_t first = 0, block = 0; first < length; first += g.block_size, ++block) {
+    const int64_t base = static_cast<int64_t>(table[block]) * g.k_block;
+    const int64_t n = std::min<int64_t>(g.block_size, length - first);
+    for (int64_t t = 0; t < n; ++t) offsets[first + t] = base + t * g.k_token;
+  }
 }
 
 // scores[h * length + t] = q_h . K_t for every (scaled) query head and every key of the row, 16 keys at a
-// time: per key and head one vertical multiply-add per 16 dims, then one transposing sum per 16 keys.
-template <int D, typename scalar_t, typename index_t>
-void score_keys(const float* qf, const scalar_t* key, const index_t* table, int64_t length, const Geometry& g,
-                float* scores, v16* partial) {
+// time: per query head, 16 accumulators (one per key, in registers) of vertical multiply-adds over the
+// dims, then one transposing sum. The 16 K rows stay in L1 while the G heads sharing them pass.
+template <int D, typename scalar_t>
+void score_keys(const float* qf, const scalar_t* key, const int64_t* offsets, int64_t length,
+                const Geometry& g, float* scores, v16*) {
   constexpr int chunks = D / kLanes;
-  const int64_t group = g.heads / g.kv_heads, num_blocks = (length + g.block_size - 1) / g.block_size;
-  alignas(64) float row[D];
+  const int64_t group = g.heads / g.kv_heads;
+  alignas(64) float rows[kLanes][D];
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const int64_t pos = first + t;
-      if (t < n && pos % g.block_size == 0) prefetch_block(key, table, pos / g.block_size + 1, num_blocks, g);
-      for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-        v16 k[chunks] = {};
-        if (t < n) {
-          load_row<D>(token_row(key, table, pos, g) + kvh * g.k_head, row);
-          std::memcpy(k, row, sizeof row);
+    prefetch_rows(key, offsets, std::min(first + kLanes, length), std::min(first + 2 * kLanes, length), g);
+    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+      for (int64_t t = 0; t < kLanes; ++t) {
+        if (t < n) load_row<D>(key + offsets[first + t] + kvh * g.k_head, rows[t]);
+        else std::memset(rows[t], 0, sizeof rows[t]);
+      }
+      for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
+        v16 q[chunks];
+        std::memcpy(q, qf + h * D, sizeof q);
+        v16 acc[kLanes];
+        for (int t = 0; t < kLanes; ++t) {
+          v16 k[chunks];
+          std::memcpy(k, rows[t], sizeof k);
+          v16 sum = q[0] * k[0];
+          for (int c = 1; c < chunks; ++c) sum += q[c] * k[c];
+          acc[t] = sum;
         }
+        alignas(64) float out[kLanes];
+        const v16 total = transpose_sum(acc);
+        std::memcpy(out, &total, sizeof out);
+        std::memcpy(scores + h * length + first, out, n * sizeof(float));
+      }
+    }
+  }
+}
+
+#if defined(__AVX512BF16__)
+constexpr bool kBf16Dot = true;
+// score_keys for a bf16 pool on a CPU with AVX512-BF16: the query heads stay in bf16 and each K row is
+// used as loaded, two dims per lane with the bf16 dot-product instruction (products exact in fp32, sums
+// in fp32); the scale is applied to the fp32 scores.
+template <int D>
+void score_keys_bf16(const at::BFloat16* q, float scale, const at::BFloat16* key, const int64_t* offsets,
+                     int64_t length, const Geometry& g, float* scores, v16* partial) {
+  constexpr int pairs = D / (2 * kLanes);  // 512-bit registers of 32 bf16 per row
+  const int64_t group = g.heads / g.kv_heads;
+  std::vector<__m512bh> qb(g.heads * pairs);
+  for (int64_t h = 0; h < g.heads; ++h)
+    for (int c = 0; c < pairs; ++c) qb[h * pairs + c] = (__m512bh)_mm512_loadu_si512(q + h * g.q_head + c * 2 * kLanes);
+  for (int64_t first = 0; first < length; first += kLanes) {
+    const int64_t n = std::min<int64_t>(kLanes, length - first);
+    prefetch_rows(key, offsets, std::min(first + kLanes, length), std::min(first + 2 * kLanes, length), g);
+    for (int64_t t = 0; t < kLanes; ++t) {
+      for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+        __m512bh k[pairs];
+        for (int c = 0; c < pairs; ++c)
+          k[c] = t < n ? (__m512bh)_mm512_loadu_si512(key + offsets[first + t] + kvh * g.k_head + c * 2 * kLanes)
+                       : (__m512bh)_mm512_setzero_si512();
         for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          v16 sum = {};
-          for (int c = 0; c < chunks; ++c) {
-            v16 qc;
-            std::memcpy(&qc, qf + h * D + c * kLanes, sizeof qc);
-            sum += qc * k[c];
-          }
-          partial[h * kLanes + t] = sum;
+          __m512 sum = _mm512_setzero_ps();
+          for (int c = 0; c < pairs; ++c) sum = _mm512_dpbf16_ps(sum, qb[h * pairs + c], k[c]);
+          partial[h * kLanes + t] = (v16)sum;
         }
       }
     }
     for (int64_t h = 0; h < g.heads; ++h) {
       alignas(64) float out[kLanes];
-      const v16 total = transpose_sum(partial + h * kLanes);
+      const v16 total = transpose_sum(partial + h * kLanes) * scale;
       std::memcpy(out, &total, sizeof out);
       std::memcpy(scores + h * length + first, out, n * sizeof(float));
     }
   }
 }
+#else
+constexpr bool kBf16Dot = false;
+template <int D>
+void score_keys_bf16(const at::BFloat16*, float, const at::BFloat16*, const int64_t*, int64_t, const Geometry&, float*, v16*) {}
+#endif
 
 // In place: each head's scores become exp(score - max), rounded to the pool's dtype as torch's CPU
 // flash attention rounds them before its P @ V product (so a bf16 pool gives what transformers' bf16
@@ -175,8 +228,8 @@ inline void softmax_rows(float* scores, int64_t heads, int64_t length, float* in
 // L2 between the KV heads' passes).
 constexpr int kHeadsAtOnce = 4;
 
-template <int D, typename scalar_t, typename index_t>
-void weigh_values(const float* weights, const scalar_t* value, const index_t* table, int64_t length,
+template <int D, typename scalar_t>
+void weigh_values(const float* weights, const scalar_t* value, const int64_t* offsets, int64_t length,
                   const Geometry& g, float* acc) {
   constexpr int chunks = D / kLanes;
   const int64_t group = g.heads / g.kv_heads;
@@ -186,7 +239,7 @@ void weigh_values(const float* weights, const scalar_t* value, const index_t* ta
       const int64_t heads = std::min<int64_t>(kHeadsAtOnce, (kvh + 1) * group - first);
       v16 sums[kHeadsAtOnce][chunks] = {};
       for (int64_t pos = 0; pos < length; ++pos) {
-        load_row<D>(token_row(value, table, pos, g) + kvh * g.k_head, row);
+        load_row<D>(value + offsets[pos] + kvh * g.k_head, row);
         v16 v[chunks];
         std::memcpy(v, row, sizeof row);
         for (int j = 0; j < kHeadsAtOnce; ++j) {
@@ -200,24 +253,98 @@ void weigh_values(const float* weights, const scalar_t* value, const index_t* ta
   }
 }
 
+#if defined(__AVX512BF16__)
+inline uint32_t bf16_bits(float x) {  // x holds a bf16 value (softmax_rows rounded it): its top half
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return bits >> 16;
+}
+
+// weigh_values for a bf16 pool on a CPU with AVX512-BF16: two tokens at a time, their V rows interleaved
+// dim by dim (one unpack per 32 dims) and multiplied by the pair of their weights with the bf16 dot-product
+// instruction; the unpack's lane order is undone once at the end.
+template <int D>
+void weigh_values_bf16(const float* weights, const at::BFloat16* value, const int64_t* offsets, int64_t length,
+                       const Geometry& g, float* acc) {
+  constexpr int pairs = D / (2 * kLanes);
+  const int64_t group = g.heads / g.kv_heads;
+  for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+    for (int64_t first = kvh * group; first < (kvh + 1) * group; first += kHeadsAtOnce) {
+      const int64_t heads = std::min<int64_t>(kHeadsAtOnce, (kvh + 1) * group - first);
+      __m512 sums[kHeadsAtOnce][2 * pairs];
+      for (auto& head : sums)
+        for (auto& v : head) v = _mm512_setzero_ps();
+      for (int64_t pos = 0; pos < length; pos += 2) {
+        if (kvh == 0 && first == 0 && pos % kLanes == 0)
+          prefetch_rows(value, offsets, std::min(pos + kLanes, length), std::min(pos + 2 * kLanes, length), g);
+        const bool pair = pos + 1 < length;
+        const at::BFloat16* a = value + offsets[pos] + kvh * g.k_head;
+        const at::BFloat16* b = pair ? value + offsets[pos + 1] + kvh * g.k_head : nullptr;
+        __m512i lo[pairs], hi[pairs];
+        for (int c = 0; c < pairs; ++c) {
+          const __m512i va = _mm512_loadu_si512(a + c * 2 * kLanes);
+          const __m512i vb = pair ? _mm512_loadu_si512(b + c * 2 * kLanes) : _mm512_setzero_si512();
+          lo[c] = _mm512_unpacklo_epi16(va, vb);
+          hi[c] = _mm512_unpackhi_epi16(va, vb);
+        }
+        for (int j = 0; j < kHeadsAtOnce; ++j) {
+          if (j >= heads) break;
+          const float* w = weights + (first + j) * length + pos;
+          const uint32_t both = bf16_bits(w[0]) | (pair ? bf16_bits(w[1]) << 16 : 0u);
+          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
+          for (int c = 0; c < pairs; ++c) {
+            sums[j][2 * c] = _mm512_dpbf16_ps(sums[j][2 * c], (__m512bh)lo[c], p);
+            sums[j][2 * c + 1] = _mm512_dpbf16_ps(sums[j][2 * c + 1], (__m512bh)hi[c], p);
+          }
+        }
+      }
+      for (int64_t j = 0; j < heads; ++j) {
+        float* o = acc + (first + j) * D;
+        for (int c = 0; c < pairs; ++c) {
+          alignas(64) float low[kLanes], high[kLanes];
+          _mm512_store_ps(low, sums[j][2 * c]);
+          _mm512_store_ps(high, sums[j][2 * c + 1]);
+          for (int lane = 0; lane < kLanes; ++lane) {  // unpack lane -> dim: 8 dims per 128-bit lane, 4 from each half
+            const int dim = c * 2 * kLanes + 8 * (lane / 4) + lane % 4;
+            o[dim] = low[lane];
+            o[dim + 4] = high[lane];
+          }
+        }
+      }
+    }
+  }
+}
+#else
+template <int D>
+void weigh_values_bf16(const float*, const at::BFloat16*, const int64_t*, int64_t, const Geometry&, float*) {}
+#endif
+
 template <int D, typename scalar_t, typename index_t>
 void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, const index_t* table, int64_t length,
                 int64_t row, float scale, const Geometry& g, scalar_t* out, Scratch& scratch) {
   scratch.floats.resize(g.heads * (2 * D + length + 1));
   scratch.partial.resize(g.heads * kLanes);
+  scratch.offsets.resize(length);
+  token_offsets(table, length, g, scratch.offsets.data());
+  prefetch_rows(key, scratch.offsets.data(), 0, std::min<int64_t>(kLanes, length), g);
   float* qf = scratch.floats.data();  // [H, D] scaled queries
   float* acc = qf + g.heads * D;      // [H, D]
   float* scores = acc + g.heads * D;  // [H, length]
   float* inverse_sums = scores + g.heads * length;  // [H]
-  prefetch_block(key, table, 0, 1, g);
   for (int64_t h = 0; h < g.heads; ++h) {
     load_row<D>(q + row * g.q_row + h * g.q_head, qf + h * D);
     for (int i = 0; i < D; ++i) qf[h * D + i] *= scale;
   }
-  score_keys<D>(qf, key, table, length, g, scores, scratch.partial.data());
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kBf16Dot && D % (2 * kLanes) == 0)
+    score_keys_bf16<D>(q + row * g.q_row, scale, key, scratch.offsets.data(), length, g, scores, scratch.partial.data());
+  else
+    score_keys<D>(qf, key, scratch.offsets.data(), length, g, scores, scratch.partial.data());
   softmax_rows<scalar_t>(scores, g.heads, length, inverse_sums);
-  prefetch_block(value, table, 0, 1, g);
-  weigh_values<D>(scores, value, table, length, g, acc);
+  prefetch_rows(value, scratch.offsets.data(), 0, std::min<int64_t>(kLanes, length), g);
+  if constexpr (std::is_same_v<scalar_t, at::BFloat16> && kBf16Dot && D % (2 * kLanes) == 0)
+    weigh_values_bf16<D>(scores, value, scratch.offsets.data(), length, g, acc);
+  else
+    weigh_values<D>(scores, value, scratch.offsets.data(), length, g, acc);
   for (int64_t h = 0; h < g.heads; ++h) {
     scalar_t* o = out + row * g.o_row + h * g.o_head;
     for (int i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[h * D + i] * inverse_sums[h]);
