@@ -31,8 +31,10 @@ def test_matches_the_gather_kernel_in_fp32(heads, kv_heads, dim, index_dtype):
     assert (got - expected).abs().max().item() < 2e-6
 
 
-def test_bf16_pool_is_computed_in_fp32():
-    q, key, value, table, lens = _case(9, 3, 64, torch.bfloat16, torch.int32)
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 1, 128), (2, 2, 32), (8, 8, 16), (6, 2, 48)])
+def test_bf16_pool_is_computed_in_fp32(heads, kv_heads, dim):
+    """Head sizes that are multiples of 32 take the bf16 dot-product path where the CPU has it; the others convert."""
+    q, key, value, table, lens = _case(heads, kv_heads, dim, torch.bfloat16, torch.int32)
     exact = decode_torch(q.float(), key.float(), value.float(), table.long(), lens.long(), None)
     got = decode_cpp(q, key, value, table, lens, None)
     assert got.dtype == torch.bfloat16
