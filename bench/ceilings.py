@@ -2,7 +2,9 @@
 the query unchanged, so only the matmuls (and norms) run. `run_matmul_ceiling` times a batch of
 single decode tokens, `run_prefill_ceiling` one packed prompt chunk; `workload_ceiling` combines them
 into the best useful tokens/s any engine could reach on a workload here (the bound; the engine's
-fraction of it is `engine_over_bound` among bench.engine's ratios)."""
+fraction of it is `engine_over_bound` among bench.engine's ratios). `run_memory_ceiling` measures how fast
+one thread reads memory here, which prices what the attention-free bound leaves out and no decode
+attention avoids: reading every decode token's cached K and V once (`bound_with_kv_read`)."""
 
 from __future__ import annotations
 
@@ -77,13 +79,42 @@ def run_prefill_ceiling(model: torch.nn.Module, tokens: int, iters: int, vocab_s
     return {"tokens": tokens, "iters": iters, "step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(tokens / median, 2)}
 
 
-def workload_ceiling(r: dict, w: Workload) -> dict:
+@torch.inference_mode()
+def run_memory_ceiling(megabytes: int = 512, iters: int = 5) -> dict:
+    """Read bandwidth of this process's threads: a sum over a buffer far larger than the caches."""
+    buffer = torch.ones(megabytes << 18, dtype=torch.float32)
+    buffer.sum()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        buffer.sum()
+        times.append(time.perf_counter() - t0)
+    best = min(times)
+    return {"bytes": buffer.numel() * 4, "iters": iters, "seconds_min": round(best, 4), "gb_per_s": round(buffer.numel() * 4 / best / 1e9, 2)}
+
+
+def decode_kv_bytes(w: Workload, kv_bytes_per_token: int) -> int:
+    """K and V bytes that decode attention reads over the workload: output token j of a request attends
+    to its prompt plus j earlier outputs and itself."""
+    total_tokens = sum(n * len(p) + n * (n + 1) // 2 for p, n in zip(w.prompts, w.output_lens))
+    return total_tokens * kv_bytes_per_token
+
+
+def workload_ceiling(r: dict, w: Workload, kv_bytes_per_token: int | None = None) -> dict:
     """What no engine gets past on this machine: every prompt token at the prefill ceiling's rate and
     every output token at the batch-64 decode ceiling's, attention free (decode at the smaller batches
-    of a run's tail is slower still, so this bound is generous)."""
+    of a run's tail is slower still, so this bound is generous). With `kv_bytes_per_token` (all layers'
+    K and V of one token) and `r["memory_ceiling"]`, also `bound_with_kv_read`: the same plus reading
+    every decode step's cached KV once at the measured bandwidth (prefill attention still free)."""
     prompt_tokens = sum(len(p) for p in w.prompts)
     seconds = prompt_tokens / r["prefill_ceiling"]["tokens_per_s"] + w.useful_tokens / r["matmul_ceiling"]["tokens_per_s"]
     best = w.useful_tokens / seconds
+    kv = {}
+    if kv_bytes_per_token and "memory_ceiling" in r:
+        kv_bytes = decode_kv_bytes(w, kv_bytes_per_token)
+        kv_seconds = kv_bytes / (r["memory_ceiling"]["gb_per_s"] * 1e9)
+        kv = {"decode_kv_bytes": kv_bytes, "kv_read_seconds": round(kv_seconds, 2),
+              "bound_with_kv_read_tokens_per_s": round(w.useful_tokens / (seconds + kv_seconds), 2)}
     return {
         "prompt_tokens": prompt_tokens,
         "output_tokens": w.useful_tokens,
@@ -91,4 +122,5 @@ def workload_ceiling(r: dict, w: Workload) -> dict:
         "useful_tokens_per_s": round(best, 2),
         "max_possible_over_hf_static": round(best / r["hf_static"]["tokens_per_s"], 2),
         "max_possible_over_hf_continuous": round(best / r["hf_continuous"]["tokens_per_s"], 2),
+        **kv,
     }

@@ -27,7 +27,9 @@ length) runs, in one process and one after the other, through:
 `workload_ceiling` combines the two ceilings into the best useful tokens/s any engine could reach on
 this workload here (every prompt token at the prefill ceiling, every output token at the decode
 ceiling), and so the largest ratio over each baseline that is physically possible; `engine_over_bound`
-is the engine's fraction of it.
+is the engine's fraction of it. `memory_ceiling` (one thread's read bandwidth) prices what that bound
+leaves out and no engine avoids, reading each decode token's cached K and V once: the bound plus that
+read is `bound_with_kv_read`, and `engine_over_bound_with_kv_read` the engine's fraction of it.
 
 Both transformers baselines use a separately loaded copy of the model with transformers' default
 attention (the Engine switches its own instance to its paged attention). Every figure is useful
@@ -53,7 +55,7 @@ from pathlib import Path
 
 import torch
 
-from bench.ceilings import run_matmul_ceiling, run_prefill_ceiling, workload_ceiling
+from bench.ceilings import run_matmul_ceiling, run_memory_ceiling, run_prefill_ceiling, workload_ceiling
 from bench.engine_report import plot, summary
 from bench.engine_workload import Settings, Workload, make_workload
 from bench.hf_baselines import hf_copy, pad_id, run_hf_continuous, run_hf_static
@@ -205,6 +207,8 @@ def run(s: Settings, loaded: LoadedModel) -> dict:
     with machine.phase("engine_decode"):
         result["engine_decode"] = run_engine_decode(engine, w, decode_batch, s.decode_steps)
     kv_bytes, kv_blocks = engine.kv_cache.nbytes, engine.kv_cache.num_blocks
+    layout = engine.kv_cache.layout
+    kv_bytes_per_token = layout.bytes_per_token_per_layer * layout.num_layers
     del engine
 
     hf = hf_copy(loaded)
@@ -219,8 +223,10 @@ def run(s: Settings, loaded: LoadedModel) -> dict:
     with machine.phase("prefill_ceiling"):
         result["prefill_ceiling"] = run_prefill_ceiling(hf, s.max_num_batched_tokens, max(2, s.ceiling_iters // 3), config.vocab_size)
     del hf
+    with machine.phase("memory_ceiling"):
+        result["memory_ceiling"] = run_memory_ceiling()
 
-    result["workload_ceiling"] = workload_ceiling(result, w)
+    result["workload_ceiling"] = workload_ceiling(result, w, kv_bytes_per_token)
     result["ratios"] = _ratios(result)
     result["ratios_cpu_time"] = _ratios(result, "tokens_per_cpu_s")
     targets = TARGETS.get(result["dtype"], TARGETS["bfloat16"])
@@ -244,6 +250,7 @@ def _ratios(r: dict, key: str = "tokens_per_s") -> dict:
         "engine_over_hf_continuous": round(engine / r["hf_continuous"][key], 2),
         "engine_decode_b64_over_ceiling": round(r["engine_decode"][key] / r["matmul_ceiling"][key], 3),
         "engine_over_bound": round(engine / r["workload_ceiling"]["useful_tokens_per_s"], 3),
+        "engine_over_bound_with_kv_read": round(engine / r["workload_ceiling"]["bound_with_kv_read_tokens_per_s"], 3),
     }
 
 

@@ -24,6 +24,8 @@ def _dtype_lines(r: dict) -> list[str]:
         f"hf continuous     {r['hf_continuous']['tokens_per_s']:9.1f} tok/s",
         f"bound             {c['useful_tokens_per_s']:9.1f} tok/s (attention-free; at most {c['max_possible_over_hf_static']:.1f}x hf static, "
         f"{c['max_possible_over_hf_continuous']:.1f}x hf continuous)",
+        f"bound + KV read   {c.get('bound_with_kv_read_tokens_per_s', float('nan')):9.1f} tok/s (the bound plus reading each decode step's KV "
+        f"once at {r.get('memory_ceiling', {}).get('gb_per_s', float('nan'))} GB/s)",
         f"engine decode b{r['engine_decode']['batch']:<3}{r['engine_decode']['tokens_per_s']:9.1f} tok/s",
         f"matmul ceiling    {r['matmul_ceiling']['tokens_per_s']:9.1f} tok/s (decode batch {r['matmul_ceiling']['batch']})",
         f"prefill ceiling   {r['prefill_ceiling']['tokens_per_s']:9.1f} tok/s (prompt tokens, {r['prefill_ceiling']['tokens']}-token chunk)",
