@@ -24,8 +24,9 @@ local). The workers' busy fractions (engine step time per second, from the route
 window) tell the policy who has time: a prefill pool that is pressed while decode workers have time
 (below `busy_high`) but no worker to spare raises the threshold (decode workers prefill more prompts);
 a pool whose workers are idle (below `idle_busy`) gives one to the other pool when that one is busy
-(at or over `busy_high`) or pressed; and a pool gives a worker only if the ones left stay below
-`busy_high`.
+(at or over `busy_high`) or pressed; a pool gives a worker only if the ones left stay below
+`busy_high`; and a "pays" verdict sends prompts back to the prefill pool only while that pool is not
+pressed and its workers have time (the verdict weighs interference, not the prefill pool's queue).
 """
 
 from __future__ import annotations
@@ -196,7 +197,8 @@ class AdaptivePolicy:
             return Candidate(("threshold", "up"), f"prefill pressed ({_hot(prefill_hot)}), decode workers have time ({decode_busy:.0%} "
                              f"busy) but none to spare: threshold {t} -> higher, decode workers prefill more prompts",
                              min(cfg.local_prefill_max, t + cfg.local_prefill_step))
-        if s.verdict == "pays" and s.margin >= cfg.verdict_margin and t > 0:
+        prefill_time = not prefill_hot and s.busy.get("prefill", 0.0) < cfg.busy_high
+        if s.verdict == "pays" and s.margin >= cfg.verdict_margin and t > 0 and prefill_time:
             return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "
                              "prefill pool", max(0, t - cfg.local_prefill_step))
         if s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and not decode_hot and t < cfg.local_prefill_max:

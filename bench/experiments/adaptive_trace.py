@@ -86,9 +86,9 @@ class Phase:
 
 
 PHASES = (
-    Phase("prompt_heavy", 0.8, ((LONG_PROMPT, 1.0),)),
+    Phase("prompt_heavy", 1.3, ((LONG_PROMPT, 1.0),)),
     Phase("decode_heavy", 1.2, ((LONG_ANSWER, 1.0),)),
-    Phase("mixed", 0.9, ((LONG_PROMPT, 0.5), (LONG_ANSWER, 0.5))),
+    Phase("mixed", 1.0, ((LONG_PROMPT, 0.5), (LONG_ANSWER, 0.5))),
 )
 
 CONFIGS = {
@@ -99,7 +99,7 @@ CONFIGS = {
 }
 
 ADAPTIVE = {"hold_intervals": 2, "action_cooldown_s": 20, "threshold_cooldown_s": 8, "local_prefill_step": 512,
-            "local_prefill_max": 1024, "window_s": 15}
+            "local_prefill_max": 1024, "window_s": 10}
 """The adaptive run's controller settings: a decision every 2 s interval x 2 holds at the soonest."""
 
 

@@ -202,12 +202,12 @@ def test_plan_shape_and_the_status_line():
     plan = run(pol, [prompt_heavy(START + i * STEP, threshold=256) for i in range(3)])[-1]
     snap = prompt_heavy(START, threshold=256)
     assert snap.shape() == "1P/2D, local prefill <= 256 tokens"
-    assert plan.shape(snap) == "2P/1D, local prefill <= 128 tokens"
+    assert plan.shape(snap) == "2P/1D, local prefill <= 256 tokens", "a pressed prefill pool gets no prompts back"
     report = {"router": {}, "pools": {}, "autoscaler": {"enabled": True, "mode": "adaptive", "adaptive": {"reasons": list(plan.reasons)}},
               "events": [{"time": 0.0, "pool": "controller", "from": snap.shape(), "to": plan.shape(snap), "reason": "; ".join(plan.reasons)}]}
     text = format_status(report)
     assert "autoscaler on  mode adaptive" in text and "now: split: prefill pressed" in text
-    assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 128 tokens (local prefill: disaggregation pays" in text
+    assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 256 tokens (split: prefill pressed" in text
 
 
 def test_a_growing_pool_holds_on_its_direction_not_on_an_exact_target():
@@ -268,3 +268,12 @@ def test_snapshot_reads_busy_fractions_and_local_share():
     assert s.busy == {"prefill": pytest.approx(0.4), "decode": pytest.approx(0.75)} and s.local_share == pytest.approx(0.25)
     none = Snapshot.from_router(START, PoolSignals(0), PoolSignals(2), {"critical_path": {"busy": {"prefill": 0, "prefill_workers": 0}}})
     assert none.busy == {} and none.local_share == 0.0
+
+
+def test_a_pays_verdict_sends_no_prompts_back_to_a_prefill_pool_without_time():
+    def snap(now: float, prefill_busy: float) -> Snapshot:
+        return Snapshot(now, PoolSignals(1, ttft_s=0.5), PoolSignals(1, running_requests=2, kv_usage=0.1, itl_s=0.03),
+                        local_prefill_threshold=512, verdict="pays", margin=0.12, busy={"prefill": prefill_busy, "decode": 0.6})
+
+    assert run(policy(), [snap(START + i * STEP, 0.95) for i in range(4)])[-1].local_prefill_threshold is None
+    assert [p.local_prefill_threshold for p in run(policy(), [snap(START + i * STEP, 0.4) for i in range(3)])] == [None, None, 384]
