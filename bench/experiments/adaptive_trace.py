@@ -22,9 +22,10 @@ the same. The configs:
   1p1d       1 prefill + 1 decode worker, local-prefill threshold 0 (every prompt disaggregated)
   1p2d       1 prefill + 2 decode workers on the same 2 cores (three processes share them: the
              "1P+2D" shape this machine allows, oversubscribed by one worker)
-  adaptive   starts as 1p1d with `autoscaler.adaptive.mode: adaptive`; pools prefill [0, 1],
-             decode [1, 2]: it may move the prefill worker to decode, back again, add a second decode
-             worker, and move the local-prefill threshold (ADAPTIVE: its interval, holds, cooldowns)
+  adaptive   starts as 1p1d with `autoscaler.adaptive.mode: adaptive`; pools prefill [1, 1] (the
+             shipped default keeps one prefill worker), decode [1, 2]: it moves the local-prefill
+             threshold and may add a second decode worker (ADAPTIVE: its interval, holds, cooldowns)
+  adaptive_p0  the same policy with prefill [0, 1]: it may also switch the prefill worker to decode
 
 Lifecycle of one config (`run_config`): write its YAML, start `pdserve serve` and wait for its ready
 line; connect to its Ray as a driver and find the controller; send a few warm-up requests; replay the
@@ -95,8 +96,10 @@ CONFIGS = {
     "colocated": {"prefill": 0, "decode": 2, "adaptive": False},
     "1p1d": {"prefill": 1, "decode": 1, "adaptive": False},
     "1p2d": {"prefill": 1, "decode": 2, "adaptive": False},
-    "adaptive": {"prefill": 1, "decode": 1, "adaptive": True},
+    "adaptive": {"prefill": 1, "decode": 1, "adaptive": True, "prefill_min": 1},
+    "adaptive_p0": {"prefill": 1, "decode": 1, "adaptive": True, "prefill_min": 0},
 }
+FIXED = ("colocated", "1p1d", "1p2d")
 
 ADAPTIVE = {"hold_intervals": 2, "action_cooldown_s": 20, "threshold_cooldown_s": 8, "local_prefill_step": 512,
             "local_prefill_max": 1024, "window_s": 10}
@@ -137,8 +140,8 @@ def deploy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     config = bench_config(args.transport, engine={"max_num_batched_tokens": args.budget})
     config["router"]["local_prefill_threshold"] = 0
     config["pools"] = {
-        "prefill": {"replicas": shape["prefill"], "min_replicas": 0, "max_replicas": 1 if shape["adaptive"] else shape["prefill"],
-                    "num_cpus": 1},
+        "prefill": {"replicas": shape["prefill"], "min_replicas": shape.get("prefill_min", 0),
+                    "max_replicas": 1 if shape["adaptive"] else shape["prefill"], "num_cpus": 1},
         "decode": {"replicas": shape["decode"], "min_replicas": 1, "max_replicas": 2 if shape["adaptive"] else shape["decode"],
                    "num_cpus": 1},
     }
@@ -306,9 +309,9 @@ def brief(m: dict[str, Any]) -> dict[str, Any]:
 
 def acceptance(results: dict[str, dict]) -> dict[str, Any] | None:
     """Adaptive overall goodput vs the best and the worst fixed config of the same trace."""
-    if "adaptive" not in results or len(results) < 2:
+    fixed = {n: r["metrics"]["overall"]["goodput"] for n, r in results.items() if n in FIXED}
+    if "adaptive" not in results or not fixed:
         return None
-    fixed = {n: r["metrics"]["overall"]["goodput"] for n, r in results.items() if n != "adaptive"}
     mine = results["adaptive"]["metrics"]["overall"]["goodput"]
     best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
     return {"adaptive": mine, "best_fixed": best, "best_goodput": fixed[best], "worst_fixed": worst, "worst_goodput": fixed[worst],
@@ -341,7 +344,9 @@ def summarize(results: dict[str, dict], info: dict, args: argparse.Namespace, ph
 
 def plot(results: dict[str, dict], phases: list[str], phase_s: float) -> str:
     plt = common.pyplot()
-    fig, (bars, line) = plt.subplots(1, 2, figsize=(15, 4.8), gridspec_kw={"width_ratios": [1, 1.6]})
+    adaptive = [n for n in results if CONFIGS[n]["adaptive"]]
+    fig, axes = plt.subplots(1 + len(adaptive), 1, figsize=(13, 4.6 * (1 + len(adaptive))), squeeze=False)
+    bars = axes[0][0]
     groups = [*phases, "overall"]
     width = 0.8 / max(1, len(results))
     for i, (name, res) in enumerate(results.items()):
@@ -352,19 +357,19 @@ def plot(results: dict[str, dict], phases: list[str], phase_s: float) -> str:
     bars.set_title("goodput per phase", fontsize=10)
     bars.legend(fontsize=8)
     bars.grid(alpha=0.3, axis="y")
-    if "adaptive" in results:
-        timeline(line, results["adaptive"], phases, phase_s)
+    for row, name in zip(axes[1:], adaptive):
+        timeline(row[0], name, results[name], phases, phase_s)
     return common.save_figure(fig, f"{NAME}.png")
 
 
-def timeline(ax, res: dict, phases: list[str], phase_s: float) -> None:
-    """The adaptive run: its goodput per 10 s window, and each controller event at its time."""
+def timeline(ax, name: str, res: dict, phases: list[str], phase_s: float) -> None:
+    """An adaptive run: its goodput per 10 s window, its shape over time, and each controller event at its time."""
     slos = res["slos_ms"]
     ends = [r for r in res["requests"] if r["ok"]]
     good = [r["start_s"] for r in ends if good_request(r, slos)]
     edges = np.arange(0, len(phases) * phase_s + 10, 10)
     counts, _ = np.histogram(good, bins=edges)
-    ax.step(edges[:-1], counts / 10, where="post", color="tab:green", label="adaptive goodput (by arrival, 10 s)")
+    ax.step(edges[:-1], counts / 10, where="post", color="tab:green", label=f"{name} goodput (by arrival, 10 s)")
     for p, name in enumerate(phases):
         ax.axvspan(p * phase_s, (p + 1) * phase_s, color=f"C{p}", alpha=0.07)
         ax.text((p + 0.5) * phase_s, 0.02, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
@@ -382,7 +387,7 @@ def timeline(ax, res: dict, phases: list[str], phase_s: float) -> None:
     ax.set_ylim(bottom=0)
     ax.set_xlabel("trace time (s)")
     ax.set_ylabel("req/s")
-    ax.set_title("adaptive controller: decisions (red: plans, purple: role switches / resizes)", fontsize=10)
+    ax.set_title(f"{name}: the controller's decisions (red: plans, purple: role switches / resizes)", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper left")
 
@@ -418,6 +423,50 @@ def good_request(r: dict, slos: dict[str, float]) -> bool:
     return stats["ttft"] * 1000 <= slos["ttft"] and (stats["tpot"] or 0.0) * 1000 <= slos["tpot"]
 
 
+# ---- docs/benchmarks.md ------------------------------------------------------------------------
+DOC = common.REPO / "docs" / "benchmarks.md"
+BEGIN = "<!-- BEGIN adaptive_trace: generated by `python -m bench.experiments.adaptive_trace --summary-only --docs` -->"
+END = "<!-- END adaptive_trace -->"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The generated part of the section: machine, command, the per-phase table, the acceptance and the events."""
+    from bench.experiments.report import fmt, header
+
+    phases, lines = report["phase_names"], [BEGIN, *header(report)]
+    slos = next(iter(report["results"].values()))["slos_ms"]
+    lines += [f"SLOs: TTFT <= {slos['ttft']:g} ms and TPOT <= {slos['tpot']:g} ms. Goodput in req/s (good / sent in brackets).", "",
+              "| config | " + " | ".join(phases) + " | overall | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
+              "|---|" + "---:|" * (len(phases) + 1) + "---:|---:|---:|"]
+    for name, res in report["results"].items():
+        m = res["metrics"]
+        cells = [f"{fmt(m[g]['goodput'], 3)} ({m[g]['good_requests']}/{m[g]['sent']})" for g in [*phases, "overall"]]
+        o = m["overall"]
+        pct = [f"{fmt(o[k]['median'], 0)} / {fmt(o[k]['p99'], 0)}" for k in ("ttft_ms", "tpot_ms", "itl_ms")]
+        lines.append(f"| {name} | " + " | ".join(cells + pct) + " |")
+    a = report.get("acceptance")
+    if a:
+        lines += ["", f"Adaptive overall goodput {a['adaptive']:.3f} req/s: x{a['over_best']:.2f} the best fixed config "
+                  f"({a['best_fixed']}, {a['best_goodput']:.3f}) and x{a['over_worst']:.2f} the worst ({a['worst_fixed']}, "
+                  f"{a['worst_goodput']:.3f}); acceptance (>= best and >= 1.2 x worst): {'met' if a['met'] else 'NOT met'}."]
+    for name in (n for n in report["results"] if CONFIGS[n]["adaptive"]):
+        lines += ["", f"The `{name}` run's events (trace time, `pool`, shape before -> after: reason):", ""]
+        lines += [f"- {e['t_s']:.1f} s `{e['pool']}` {e.get('from')} -> {e.get('to')}: {e['reason']}"
+                  for e in report["results"][name]["events"] if e["t_s"] >= 0] or ["- none"]
+    lines += ["", "![adaptive trace](../bench/results/adaptive_trace.png)", END]
+    return "\n".join(lines)
+
+
+def write_doc(section: str) -> None:
+    """Replaces the generated block in docs/benchmarks.md (appends it, the first time)."""
+    text = DOC.read_text()
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    DOC.write_text(text)
+
+
 # ---- CLI ---------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = common.parser(__doc__, NAME)
@@ -434,6 +483,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", default="/tmp/pdserve-adaptive-trace", help="YAML configs and serve logs")
     p.add_argument("--summary-only", action="store_true", help="rebuild the summary and plot from the per-config files")
+    p.add_argument("--docs", action="store_true", help="rewrite the generated block of docs/benchmarks.md from the summary")
     p.add_argument("--quick", action="store_true", help="three 12 s phases, short lengths (results under bench/results/quick/)")
     return p
 
@@ -458,6 +508,8 @@ def main(argv: list[str] | None = None) -> int:
     report = summarize(results, common.finish(info, started), args, phases)
     report["plot"] = plot(results, phases, args.phase_s)
     common.save(NAME, report)
+    if args.docs and not args.quick:
+        write_doc(markdown(report))
     if report["acceptance"]:
         print("acceptance:", json.dumps(report["acceptance"]), file=sys.stderr)
     return 0
