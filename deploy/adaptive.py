@@ -23,10 +23,13 @@ they count only for the share of requests that went through a prefill worker (`l
 local). The workers' busy fractions (engine step time per second, from the router's critical-path
 window) tell the policy who has time: a prefill pool that is pressed while decode workers have time
 (below `busy_high`) but no worker to spare raises the threshold (decode workers prefill more prompts);
-a pool whose workers are idle (below `idle_busy`) gives one to the other pool when that one is busy
-(at or over `busy_high`) or pressed; a pool gives a worker only if the ones left stay below
-`busy_high`; and a "pays" verdict sends prompts back to the prefill pool only while that pool is not
-pressed and its workers have time (the verdict weighs interference, not the prefill pool's queue).
+a pool whose workers are idle (below `idle_busy`) gives one to the other pool when that one is
+pressed (busy alone is no need: a decode engine steps whenever it has a stream); a pool gives a
+worker only if the ones left stay below `busy_high`. The verdict and the prefill pool's room meet in
+the threshold: a pressed prefill pool sends prompts to decode workers only while the verdict does
+not say the split pays (local prefills would stretch the decode streams more than the split costs),
+and a "pays" verdict sends prompts back to the prefill pool only while that pool is not pressed and
+its workers have time (the verdict weighs interference, not the prefill pool's queue).
 """
 
 from __future__ import annotations
@@ -192,13 +195,14 @@ class AdaptivePolicy:
                              max(0, t - cfg.local_prefill_step))
         prefill_hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
         decode_busy = s.busy.get("decode", 0.0)
-        if (prefill_hot and t < cfg.local_prefill_max and decode_busy < cfg.busy_high
+        pays = s.verdict == "pays" and s.margin >= cfg.verdict_margin
+        if (prefill_hot and t < cfg.local_prefill_max and decode_busy < cfg.busy_high and not pays
                 and not self._can_give("decode", s, pressure["decode"])):
             return Candidate(("threshold", "up"), f"prefill pressed ({_hot(prefill_hot)}), decode workers have time ({decode_busy:.0%} "
                              f"busy) but none to spare: threshold {t} -> higher, decode workers prefill more prompts",
                              min(cfg.local_prefill_max, t + cfg.local_prefill_step))
         prefill_time = not prefill_hot and s.busy.get("prefill", 0.0) < cfg.busy_high
-        if s.verdict == "pays" and s.margin >= cfg.verdict_margin and t > 0 and prefill_time:
+        if pays and t > 0 and prefill_time:
             return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "
                              "prefill pool", max(0, t - cfg.local_prefill_step))
         if s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and not decode_hot and t < cfg.local_prefill_max:
@@ -222,17 +226,16 @@ class AdaptivePolicy:
         return Candidate(("resize", role, d.replicas > n), f"{role} {n} -> {d.replicas} workers ({d.reason})", (role, d.replicas))
 
     def _idle_gives(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
-        """A pool whose workers are idle gives one to the other pool when that one's workers are busy (or it is pressed)."""
+        """A pool whose workers are idle gives one to the other pool when that one is pressed. Pressed, not
+        merely busy: a decode engine steps whenever it has a stream, so a busy decode pool may be well within its SLO."""
         cfg = self.config.adaptive
         for role, other in (ROLES, ROLES[::-1]):
-            mine, theirs = s.busy.get(role), s.busy.get(other)
-            if mine is None or theirs is None or mine >= cfg.idle_busy or any(v > 1.0 for v in pressure[role].values()):
+            mine = s.busy.get(role)
+            if mine is None or mine >= cfg.idle_busy or any(v > 1.0 for v in pressure[role].values()):
                 continue
             pressed = {k: v for k, v in pressure[other].items() if v > 1.0}
-            if (theirs >= cfg.busy_high or pressed) and self._fits(role, s.signals(role).replicas - 1) \
-                    and self._fits(other, s.signals(other).replicas + 1):
-                why = _hot(pressed) if pressed else f"{theirs:.0%} busy"
-                return Candidate(("switch", other), f"{role} workers idle ({mine:.0%} busy), {other} workers loaded ({why}): "
+            if pressed and self._fits(role, s.signals(role).replicas - 1) and self._fits(other, s.signals(other).replicas + 1):
+                return Candidate(("switch", other), f"{role} workers idle ({mine:.0%} busy), {other} pressed ({_hot(pressed)}): "
                                  f"a {role} worker becomes {other}", other)
         return None
 

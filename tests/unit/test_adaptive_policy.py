@@ -233,18 +233,20 @@ def test_a_pressed_prefill_pool_with_no_worker_to_spare_sends_prompts_to_decode_
     assert all(p.switch_to is None for p in plans), "decode is at min_replicas: it cannot give its worker"
     busy = run(policy(), [saturated_prefill(START + i * STEP, decode_busy=0.9) for i in range(4)])
     assert all(p.local_prefill_threshold is None for p in busy), "a decode worker with no time takes no prompts"
+    pays = run(policy(), [dataclasses.replace(saturated_prefill(START + i * STEP), verdict="pays", margin=0.1) for i in range(4)])
+    assert all(p.local_prefill_threshold is None for p in pays), "the split pays: local prefills would stretch the decode streams"
 
 
 def test_an_idle_prefill_pool_gives_its_worker_to_a_busy_decode_pool():
-    def snap(now: float, decode_busy: float) -> Snapshot:  # every prompt prefills locally now: the prefill worker idles
-        return Snapshot(now, PoolSignals(1), PoolSignals(1, running_requests=4, kv_usage=0.2, itl_s=0.05), local_prefill_threshold=512,
-                        verdict="no data", busy={"prefill": 0.02, "decode": decode_busy}, local_share=1.0)
+    def snap(now: float, itl_s: float) -> Snapshot:  # every prompt prefills locally now: the prefill worker idles
+        return Snapshot(now, PoolSignals(1), PoolSignals(1, running_requests=4, kv_usage=0.2, itl_s=itl_s), local_prefill_threshold=512,
+                        verdict="no data", busy={"prefill": 0.02, "decode": 0.99}, local_share=1.0)
 
-    plans = run(policy(), [snap(START + i * STEP, 0.9) for i in range(3)])
+    plans = run(policy(), [snap(START + i * STEP, 0.15) for i in range(3)])
     assert [p.switch_to for p in plans] == [None, None, "decode"]
-    assert "prefill workers idle (2% busy), decode workers loaded (90% busy)" in plans[-1].reasons[-1]
-    assert all(p.switch_to is None for p in run(policy(), [snap(START + i * STEP, 0.5) for i in range(4)])), \
-        "both pools have time: nothing to gain"
+    assert "prefill workers idle (2% busy), decode pressed (itl 1.50x)" in plans[-1].reasons[-1]
+    assert all(p.switch_to is None for p in run(policy(), [snap(START + i * STEP, 0.05) for i in range(4)])), \
+        "a decode engine 99% busy within its ITL SLO needs no worker"
 
 
 def test_a_ttft_breach_of_local_prefills_is_not_the_prefill_pools():
