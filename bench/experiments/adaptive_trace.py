@@ -105,6 +105,11 @@ ADAPTIVE = {"hold_intervals": 2, "action_cooldown_s": 20, "threshold_cooldown_s"
             "local_prefill_max": 1024, "window_s": 10}
 """The adaptive run's controller settings: a decision every 2 s interval x 2 holds at the soonest."""
 
+WORKER_ENV = {"RAY_worker_niceness": "0"}
+"""Ray starts its worker processes at nice 15; on a shared machine any other process then takes their
+cores first (measured: prefill 2x slower per token while another user's compiler ran). At nice 0 the
+deployment competes as the plain processes of the other experiments do."""
+
 
 # ---- the trace ---------------------------------------------------------------------------------
 def build_trace(phases: tuple[Phase, ...], phase_s: float, scale: float, load: float, seed: int) -> tuple[list[RequestSpec], list[str]]:
@@ -137,7 +142,7 @@ def trace_id(specs: list[RequestSpec]) -> str:
 def deploy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """The `pdserve serve` YAML of config `name`: same engine for all, pools and controller per config."""
     shape = CONFIGS[name]
-    config = bench_config(args.transport, engine={"max_num_batched_tokens": args.budget})
+    config = bench_config(args.transport, engine={"max_num_batched_tokens": args.budget, "kv_cache_memory_mb": 512})
     config["router"]["local_prefill_threshold"] = 0
     config["pools"] = {
         "prefill": {"replicas": shape["prefill"], "min_replicas": shape.get("prefill_min", 0),
@@ -167,7 +172,8 @@ class Deployment:
         path = self.log_dir / f"{self.name}.yaml"
         path.write_text(yaml.safe_dump(self.config))
         self.proc = launch(f"serve-{self.name}", ["-m", "deploy.cli", "--log-level", "WARNING", "serve", "-c", str(path),
-                                                  "--grpc-port", "0", "--http-port", "0"], self.log_dir / f"{self.name}.log", timeout=300)
+                                                  "--grpc-port", "0", "--http-port", "0"], self.log_dir / f"{self.name}.log", timeout=300,
+                           env=WORKER_ENV)
         try:
             self.controller = launcher.controller_at(self.proc.ready["ray_address"])
         except BaseException:
