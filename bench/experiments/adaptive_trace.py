@@ -47,6 +47,7 @@ import asyncio
 import hashlib
 import json
 import math
+import os
 import re
 import sys
 import threading
@@ -252,6 +253,43 @@ def replay(address: str, specs: list[RequestSpec], warmup: int) -> tuple[list[di
     return [asdict(r) for r in records], duration, t0
 
 
+class CpuShare:
+    """Where the machine's CPU time went while the trace played: the deployment's process tree (the serve
+    process, Ray's and every worker's), this process (the load generator) and everything else on the box
+    (/proc/stat's busy time minus both: other users' work, which a shared machine does not stop)."""
+
+    def __init__(self, root_pid: int):
+        self.root_pid = root_pid
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, dict[int, float], float, float]:
+        import psutil
+
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+        busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        tree: dict[int, float] = {}
+        root = psutil.Process(self.root_pid)
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                tree[proc.pid] = t.user + t.system
+            except psutil.Error:
+                continue
+        own = psutil.Process().cpu_times()
+        return busy, tree, own.user + own.system, time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        """Cores' worth of CPU (CPU seconds per second) used by each, over the time since the start."""
+        busy0, tree0, own0, t0 = self.start
+        busy1, tree1, own1, t1 = self._sample()
+        span = max(1e-9, t1 - t0)
+        deployment = sum(cpu - tree0.get(pid, 0.0) for pid, cpu in tree1.items())
+        own = own1 - own0
+        return {"deployment_cores": round(deployment / span, 3), "load_generator_cores": round(own / span, 3),
+                "other_processes_cores": round(max(0.0, busy1 - busy0 - deployment - own) / span, 3)}
+
+
 def leaked_blocks(status: dict) -> dict[str, int]:
     """KV blocks still held per worker once the trace is done (expected: none)."""
     return {w["id"]: w["total_kv_blocks"] - w["free_kv_blocks"] for pool in status["pools"].values() for w in pool["workers"]
@@ -273,14 +311,16 @@ def run_config(name: str, specs: list[RequestSpec], phase_of: list[str], args: a
     log_dir = Path(args.log_dir) / name
     with Deployment(name, config, log_dir) as deployment, EventPoller(deployment) as poller:
         loadavg_before = common.loadavg()
+        cpu = CpuShare(deployment.proc.popen.pid)
         records, duration, t0 = replay(deployment.grpc_address, specs, args.warmup)
+        cpu_share = cpu.stop()
         loadavg_after = common.loadavg()
         status = settle(deployment)
     slos = {"ttft": args.slo_ttft, "tpot": args.slo_tpot}
     return {
         "config": name, "shape": CONFIGS[name], "deploy_config": config, "slos_ms": slos,
         "trace": {"id": trace_id(specs), "requests": len(specs), "phase_s": args.phase_s},
-        "loadavg": [loadavg_before, loadavg_after], "log_dir": str(log_dir),
+        "loadavg": [loadavg_before, loadavg_after], "cpu": cpu_share, "log_dir": str(log_dir),
         "metrics": score(records, phase_of, duration, args.phase_s, slos),
         "events": [timed(e, t0) for e in poller.events],
         "workers_at_end": {role: [w["id"] for w in pool["workers"]] for role, pool in status["pools"].items()},
@@ -342,7 +382,7 @@ def summarize(results: dict[str, dict], info: dict, args: argparse.Namespace, ph
     return {
         "experiment": NAME, "command": common.command_line(), "machine": info, "params": vars(args),
         "phases": [asdict(p) for p in PHASES], "phase_names": phases, "adaptive_settings": ADAPTIVE,
-        "results": {n: {k: r[k] for k in ("shape", "slos_ms", "trace", "loadavg", "metrics", "events", "leaked_kv_blocks",
+        "results": {n: {k: r.get(k) for k in ("shape", "slos_ms", "trace", "loadavg", "cpu", "metrics", "events", "leaked_kv_blocks",
                                           "workers_at_end")} | {"raw": f"{NAME}_{n}.json"} for n, r in results.items()},
         "acceptance": acceptance(results),
     }
@@ -442,13 +482,16 @@ def markdown(report: dict[str, Any]) -> str:
     phases, lines = report["phase_names"], [BEGIN, *header(report)]
     slos = next(iter(report["results"].values()))["slos_ms"]
     lines += [f"SLOs: TTFT <= {slos['ttft']:g} ms and TPOT <= {slos['tpot']:g} ms. Goodput in req/s (good / sent in brackets).", "",
-              "| config | " + " | ".join(phases) + " | overall | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) |",
-              "|---|" + "---:|" * (len(phases) + 1) + "---:|---:|---:|"]
+              "| config | " + " | ".join(phases) + " | overall | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
+              "| cores: deployment / others |",
+              "|---|" + "---:|" * (len(phases) + 1) + "---:|---:|---:|---:|"]
     for name, res in report["results"].items():
         m = res["metrics"]
         cells = [f"{fmt(m[g]['goodput'], 3)} ({m[g]['good_requests']}/{m[g]['sent']})" for g in [*phases, "overall"]]
         o = m["overall"]
         pct = [f"{fmt(o[k]['median'], 0)} / {fmt(o[k]['p99'], 0)}" for k in ("ttft_ms", "tpot_ms", "itl_ms")]
+        cpu = res.get("cpu") or {}
+        pct.append(f"{fmt(cpu.get('deployment_cores'), 2)} / {fmt(cpu.get('other_processes_cores'), 2)}")
         lines.append(f"| {name} | " + " | ".join(cells + pct) + " |")
     a = report.get("acceptance")
     if a:

@@ -34,6 +34,7 @@ def test_tiny_trace_through_the_adaptive_deployment(tmp_path, monkeypatch):
     assert sum(metrics[p]["sent"] for p in dict.fromkeys(phase_of)) == len(specs)
     assert sorted(r["index"] for r in result["requests"]) == list(range(len(specs)))
     assert result["leaked_kv_blocks"] == {}, "every KV block is free again once the trace is done"
+    assert result["cpu"]["deployment_cores"] > 0
     assert sum(len(ids) for ids in result["workers_at_end"].values()) >= 2
     for event in result["events"]:
         assert isinstance(event["t_s"], float) and event["reason"]
