@@ -30,7 +30,10 @@ the same. The configs:
 Lifecycle of one config (`run_config`): write its YAML, start `pdserve serve` and wait for its ready
 line; connect to its Ray as a driver and find the controller; send a few warm-up requests; replay the
 trace through the router's gRPC Generate (bench.servebench: one stamp per streamed chunk) while a
-thread polls the controller's events (`Controller.events_since`); read the workers' KV blocks once
+thread polls the controller's events (`Controller.events_since`) and `CpuShare` counts the CPU time
+of the deployment, of this process and of everything else on the machine (a shared machine: other
+users' work is recorded, not prevented; the Ray workers run at nice 0, not Ray's 15, so that they
+compete for the cores like any process); read the workers' KV blocks once
 the trace is done (all must be free again: no block leaked); SIGTERM the serve (it drains and
 removes every actor). Each config writes bench/results/adaptive_trace_<config>.json (raw records);
 the summary bench/results/adaptive_trace.json and adaptive_trace.png are rebuilt from every
