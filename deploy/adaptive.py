@@ -26,8 +26,9 @@ window) tell the policy who has time: a prefill pool that is pressed while decod
 a pool whose workers are idle (below `idle_busy`) gives one to the other pool when that one is
 pressed (busy alone is no need: a decode engine steps whenever it has a stream); a pool gives a
 worker only if the ones left stay below `busy_high`. The verdict and the prefill pool's room meet in
-the threshold: a pressed prefill pool sends prompts to decode workers only while the verdict does
-not say the split pays (local prefills would stretch the decode streams more than the split costs),
+the threshold: a pressed prefill pool sends prompts to decode workers while the verdict does not
+say the split pays (local prefills would stretch the decode streams more than the split costs) or
+when its workers are saturated (at `busy_high`: its queue only grows, whatever the interference),
 and a "pays" verdict sends prompts back to the prefill pool only while that pool is not pressed and
 its workers have time (the verdict weighs interference, not the prefill pool's queue).
 """
@@ -196,11 +197,12 @@ class AdaptivePolicy:
         prefill_hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
         decode_busy = s.busy.get("decode", 0.0)
         pays = s.verdict == "pays" and s.margin >= cfg.verdict_margin
-        if (prefill_hot and t < cfg.local_prefill_max and decode_busy < cfg.busy_high and not pays
+        saturated = s.busy.get("prefill", 0.0) >= cfg.busy_high  # the verdict weighs interference, not a queue that only grows
+        if (prefill_hot and t < cfg.local_prefill_max and decode_busy < cfg.busy_high and (saturated or not pays)
                 and not self._can_give("decode", s, pressure["decode"])):
-            return Candidate(("threshold", "up"), f"prefill pressed ({_hot(prefill_hot)}), decode workers have time ({decode_busy:.0%} "
-                             f"busy) but none to spare: threshold {t} -> higher, decode workers prefill more prompts",
-                             min(cfg.local_prefill_max, t + cfg.local_prefill_step))
+            return Candidate(("threshold", "up"), f"prefill pressed ({_hot(prefill_hot)}, workers {s.busy.get('prefill', 0.0):.0%} busy), "
+                             f"decode workers have time ({decode_busy:.0%} busy) but none to spare: threshold {t} -> higher, decode "
+                             "workers prefill more prompts", min(cfg.local_prefill_max, t + cfg.local_prefill_step))
         prefill_time = not prefill_hot and s.busy.get("prefill", 0.0) < cfg.busy_high
         if pays and t > 0 and prefill_time:
             return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "

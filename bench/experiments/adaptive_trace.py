@@ -356,12 +356,12 @@ def brief(m: dict[str, Any]) -> dict[str, Any]:
     return {**{k: m[k] for k in keep}, **{f"{key}_ms": {p: m[f"{key}_ms"][p] for p in pct} for key in ("ttft", "tpot", "itl")}}
 
 
-def acceptance(results: dict[str, dict]) -> dict[str, Any] | None:
-    """Adaptive overall goodput vs the best and the worst fixed config of the same trace."""
+def acceptance(results: dict[str, dict], name: str = "adaptive") -> dict[str, Any] | None:
+    """An adaptive config's overall goodput vs the best and the worst fixed config of the same trace."""
     fixed = {n: r["metrics"]["overall"]["goodput"] for n, r in results.items() if n in FIXED}
-    if "adaptive" not in results or not fixed:
+    if name not in results or not fixed:
         return None
-    mine = results["adaptive"]["metrics"]["overall"]["goodput"]
+    mine = results[name]["metrics"]["overall"]["goodput"]
     best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
     return {"adaptive": mine, "best_fixed": best, "best_goodput": fixed[best], "worst_fixed": worst, "worst_goodput": fixed[worst],
             "over_best": mine / fixed[best] if fixed[best] else math.inf, "over_worst": mine / fixed[worst] if fixed[worst] else math.inf,
@@ -388,6 +388,7 @@ def summarize(results: dict[str, dict], info: dict, args: argparse.Namespace, ph
         "results": {n: {k: r.get(k) for k in ("shape", "slos_ms", "trace", "loadavg", "cpu", "metrics", "events", "leaked_kv_blocks",
                                           "workers_at_end")} | {"raw": f"{NAME}_{n}.json"} for n, r in results.items()},
         "acceptance": acceptance(results),
+        "acceptance_by_config": {n: acceptance(results, n) for n in results if CONFIGS[n]["adaptive"]},
     }
 
 
@@ -496,9 +497,8 @@ def markdown(report: dict[str, Any]) -> str:
         cpu = res.get("cpu") or {}
         pct.append(f"{fmt(cpu.get('deployment_cores'), 2)} / {fmt(cpu.get('other_processes_cores'), 2)}")
         lines.append(f"| {name} | " + " | ".join(cells + pct) + " |")
-    a = report.get("acceptance")
-    if a:
-        lines += ["", f"Adaptive overall goodput {a['adaptive']:.3f} req/s: x{a['over_best']:.2f} the best fixed config "
+    for name, a in ((n, a) for n, a in (report.get("acceptance_by_config") or {}).items() if a):
+        lines += ["", f"`{name}` overall goodput {a['adaptive']:.3f} req/s: x{a['over_best']:.2f} the best fixed config "
                   f"({a['best_fixed']}, {a['best_goodput']:.3f}) and x{a['over_worst']:.2f} the worst ({a['worst_fixed']}, "
                   f"{a['worst_goodput']:.3f}); acceptance (>= best and >= 1.2 x worst): {'met' if a['met'] else 'NOT met'}."]
     for name in (n for n in report["results"] if CONFIGS[n]["adaptive"]):

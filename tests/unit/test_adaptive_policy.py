@@ -229,12 +229,15 @@ def test_a_pressed_prefill_pool_with_no_worker_to_spare_sends_prompts_to_decode_
     pol = policy()
     plans = run(pol, [saturated_prefill(START + i * STEP) for i in range(3)])
     assert [p.local_prefill_threshold for p in plans] == [None, None, 128]
-    assert "decode workers have time (20% busy) but none to spare" in plans[-1].reasons[0]
+    assert "workers 100% busy), decode workers have time (20% busy) but none to spare" in plans[-1].reasons[0]
     assert all(p.switch_to is None for p in plans), "decode is at min_replicas: it cannot give its worker"
     busy = run(policy(), [saturated_prefill(START + i * STEP, decode_busy=0.9) for i in range(4)])
     assert all(p.local_prefill_threshold is None for p in busy), "a decode worker with no time takes no prompts"
-    pays = run(policy(), [dataclasses.replace(saturated_prefill(START + i * STEP), verdict="pays", margin=0.1) for i in range(4)])
-    assert all(p.local_prefill_threshold is None for p in pays), "the split pays: local prefills would stretch the decode streams"
+    pays = [dataclasses.replace(saturated_prefill(START + i * STEP), verdict="pays", margin=0.1, busy={"prefill": 0.6, "decode": 0.2})
+            for i in range(4)]
+    assert all(p.local_prefill_threshold is None for p in run(policy(), pays)), "the split pays: local prefills would stretch decode"
+    saturated = [dataclasses.replace(s, busy={"prefill": 0.99, "decode": 0.2}) for s in pays]
+    assert run(policy(), saturated)[2].local_prefill_threshold == 128, "a saturated prefill pool's queue only grows: capacity first"
 
 
 def test_an_idle_prefill_pool_gives_its_worker_to_a_busy_decode_pool():
