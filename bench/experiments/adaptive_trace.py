@@ -420,9 +420,9 @@ def timeline(ax, name: str, res: dict, phases: list[str], phase_s: float) -> Non
     edges = np.arange(0, len(phases) * phase_s + 10, 10)
     counts, _ = np.histogram(good, bins=edges)
     ax.step(edges[:-1], counts / 10, where="post", color="tab:green", label=f"{name} goodput (by arrival, 10 s)")
-    for p, name in enumerate(phases):
+    for p, phase in enumerate(phases):
         ax.axvspan(p * phase_s, (p + 1) * phase_s, color=f"C{p}", alpha=0.07)
-        ax.text((p + 0.5) * phase_s, 0.02, name, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+        ax.text((p + 0.5) * phase_s, 0.02, phase, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
     for k, e in enumerate(e for e in res["events"] if e["t_s"] >= 0):
         ax.axvline(e["t_s"], color="tab:red" if e["pool"] == "controller" else "tab:purple", lw=1, ls="--")
         ax.text(e["t_s"], 0.97 - 0.09 * (k % 8), event_label(e), transform=ax.get_xaxis_transform(), fontsize=6, va="top")
