@@ -197,12 +197,13 @@ class RouterActor:
             out[name] = [(float(s.labels["le"]), s.value) for s in samples]
         return out
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self, window_s: float = 60.0) -> dict[str, Any]:
+        """Admission, threshold and the critical-path breakdown of the last `window_s` seconds."""
         router = self.server.handles["router"]
 
         async def read() -> dict[str, Any]:
             return {"draining": router.draining, "in_flight_requests": router.admission.requests,
-                    "in_flight_prompt_tokens": router.admission.tokens, "critical_path": router.metrics.critical_path.breakdown(),
+                    "in_flight_prompt_tokens": router.admission.tokens, "critical_path": router.metrics.critical_path.breakdown(window_s),
                     "local_prefill_threshold": router.orchestrator.local_prefill_threshold}
 
         return self.server.call(read, timeout_s=10.0)

@@ -17,6 +17,20 @@ consecutive snapshots, and no sooner than its cooldown after the lane's last act
              `queue_share`. A pressed pool takes a worker from the other pool by a role switch
              when that pool stays below its thresholds with one worker fewer and both stay within
              [min_replicas, max_replicas]; only otherwise does the pool's autoscaler resize it.
+
+Where the pressures come from: the prefill pool's TTFT and prefill_queue share are router-wide, so
+they count only for the share of requests that went through a prefill worker (`local_share` went
+local). The workers' busy fractions (engine step time per second, from the router's critical-path
+window) tell the policy who has time: a prefill pool that is pressed while decode workers have time
+(below `busy_high`) but no worker to spare raises the threshold (decode workers prefill more prompts);
+a pool whose workers are idle (below `idle_busy`) gives one to the other pool when that one is
+pressed (busy alone is no need: a decode engine steps whenever it has a stream); a pool gives a
+worker only if the ones left stay below `busy_high`. The verdict and the prefill pool's room meet in
+the threshold: a pressed prefill pool sends prompts to decode workers while the verdict does not
+say the split pays (local prefills would stretch the decode streams more than the split costs) or
+when its workers are saturated (at `busy_high`: its queue only grows, whatever the interference),
+and a "pays" verdict sends prompts back to the prefill pool only while that pool is not pressed and
+its workers have time (the verdict weighs interference, not the prefill pool's queue).
 """
 
 from __future__ import annotations
@@ -49,6 +63,11 @@ class Snapshot:
     """Critical-path stage -> its share of the window's e2e latency."""
     pool_busy: bool = False
     """A pool operation (scale, switch) is in flight: the split lane waits."""
+    busy: dict[str, float] = field(default_factory=dict)
+    """Pool -> the mean busy fraction of its workers (engine step seconds per second) over the window;
+    absent: no step times from that pool."""
+    local_share: float = 0.0
+    """The share of the window's requests that prefilled on their decode worker (0..1)."""
 
     @classmethod
     def from_router(cls, now: float, prefill: PoolSignals, decode: PoolSignals, summary: dict, pool_busy: bool = False) -> Snapshot:
@@ -56,7 +75,8 @@ class Snapshot:
         cp = summary.get("critical_path") or {}
         verdict = cp.get("verdict") or {}
         return cls(now, prefill, decode, summary.get("local_prefill_threshold", 0), verdict.get("verdict", "no data"),
-                   verdict.get("margin", 0.0), {s: f["share"] for s, f in (cp.get("stages") or {}).items()}, pool_busy)
+                   verdict.get("margin", 0.0), {s: f["share"] for s, f in (cp.get("stages") or {}).items()}, pool_busy,
+                   per_worker_busy(cp.get("busy") or {}), cp.get("local_prefill", 0) / cp["requests"] if cp.get("requests") else 0.0)
 
     def signals(self, role: str) -> PoolSignals:
         return self.prefill if role == "prefill" else self.decode
@@ -153,9 +173,15 @@ class AdaptivePolicy:
         return plan
 
     def pressure(self, role: str, s: Snapshot) -> dict[str, float]:
-        """The pool autoscaler's pressures plus the pool's waiting stage's share of e2e (1.0: at its threshold)."""
+        """The pool autoscaler's pressures plus the pool's waiting stage's share of e2e (1.0: at its threshold).
+        The prefill pool's router-wide ones (TTFT, prefill_queue) count only for the share of requests it prefilled:
+        a prompt that prefilled on its decode worker waited there, not in the prefill pool."""
         stage = WAITING_STAGE[role]
-        return {**self.scalers[role].pressure(s.signals(role)), stage: s.shares.get(stage, 0.0) / self.config.adaptive.queue_share}
+        p = {**self.scalers[role].pressure(s.signals(role)), stage: s.shares.get(stage, 0.0) / self.config.adaptive.queue_share}
+        if role == "prefill":
+            for key in ("ttft", stage):
+                p[key] *= 1.0 - s.local_share
+        return p
 
     @staticmethod
     def _lane(lane: Lane, s: Snapshot, candidate: Candidate | None) -> tuple[Candidate | None, str]:
@@ -168,7 +194,17 @@ class AdaptivePolicy:
         if decode_hot and t > 0:
             return Candidate(("threshold", "down"), f"decode pressed ({_hot(decode_hot)}): fewer local prefills, threshold {t} -> lower",
                              max(0, t - cfg.local_prefill_step))
-        if s.verdict == "pays" and s.margin >= cfg.verdict_margin and t > 0:
+        prefill_hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
+        decode_busy = s.busy.get("decode", 0.0)
+        pays = s.verdict == "pays" and s.margin >= cfg.verdict_margin
+        saturated = s.busy.get("prefill", 0.0) >= cfg.busy_high  # the verdict weighs interference, not a queue that only grows
+        if (prefill_hot and t < cfg.local_prefill_max and decode_busy < cfg.busy_high and (saturated or not pays)
+                and not self._can_give("decode", s, pressure["decode"])):
+            return Candidate(("threshold", "up"), f"prefill pressed ({_hot(prefill_hot)}, workers {s.busy.get('prefill', 0.0):.0%} busy), "
+                             f"decode workers have time ({decode_busy:.0%} busy) but none to spare: threshold {t} -> higher, decode "
+                             "workers prefill more prompts", min(cfg.local_prefill_max, t + cfg.local_prefill_step))
+        prefill_time = not prefill_hot and s.busy.get("prefill", 0.0) < cfg.busy_high
+        if pays and t > 0 and prefill_time:
             return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "
                              "prefill pool", max(0, t - cfg.local_prefill_step))
         if s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and not decode_hot and t < cfg.local_prefill_max:
@@ -182,23 +218,48 @@ class AdaptivePolicy:
             hot = {k: v for k, v in pressure[role].items() if v > 1.0}
             if hot and self._can_give(other, s, pressure[other]) and self._fits(role, s.signals(role).replicas + 1):
                 return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}", role)
+        idle = self._idle_gives(s, pressure)
+        if idle is not None:
+            return idle
         changes = [(role, s.signals(role).replicas, d) for role, d in decisions.items() if d and d.replicas != s.signals(role).replicas]
         if not changes:
             return None
         role, n, d = min(changes, key=lambda c: c[2].replicas < c[1])  # a pool that grows first
         return Candidate(("resize", role, d.replicas > n), f"{role} {n} -> {d.replicas} workers ({d.reason})", (role, d.replicas))
 
+    def _idle_gives(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
+        """A pool whose workers are idle gives one to the other pool when that one is pressed. Pressed, not
+        merely busy: a decode engine steps whenever it has a stream, so a busy decode pool may be well within its SLO."""
+        cfg = self.config.adaptive
+        for role, other in (ROLES, ROLES[::-1]):
+            mine = s.busy.get(role)
+            if mine is None or mine >= cfg.idle_busy or any(v > 1.0 for v in pressure[role].values()):
+                continue
+            pressed = {k: v for k, v in pressure[other].items() if v > 1.0}
+            if pressed and self._fits(role, s.signals(role).replicas - 1) and self._fits(other, s.signals(other).replicas + 1):
+                return Candidate(("switch", other), f"{role} workers idle ({mine:.0%} busy), {other} pressed ({_hot(pressed)}): "
+                                 f"a {role} worker becomes {other}", other)
+        return None
+
     def _can_give(self, role: str, s: Snapshot, pressure: dict[str, float]) -> bool:
-        """`role`'s pool can lose a worker: within min_replicas, and below every threshold with one fewer."""
+        """`role`'s pool can lose a worker: within min_replicas, and below every threshold with one fewer
+        (its workers' busy fraction too: the ones left must still have time for the work)."""
         n = s.signals(role).replicas
         if n < 1 or not self._fits(role, n - 1):
             return False
         spread = n / (n - 1) if n > 1 else math.inf
+        if s.busy.get(role, 0.0) * spread >= self.config.adaptive.busy_high:
+            return False
         return all((v * spread if k in LOAD_SIGNALS else v) < 1.0 for k, v in pressure.items() if v > 0)
 
     def _fits(self, role: str, n: int) -> bool:
         pool = getattr(self.pools, role)
         return pool.min_replicas <= n <= pool.max_replicas
+
+
+def per_worker_busy(busy: dict) -> dict[str, float]:
+    """The router's summed busy fractions (router.verdict.PoolBusy as a dict) as a mean per worker of each pool."""
+    return {role: busy[role] / busy[f"{role}_workers"] for role in ROLES if busy.get(f"{role}_workers")}
 
 
 def _hot(pressure: dict[str, float]) -> str:

@@ -15,7 +15,8 @@ Lifecycle:
                 No request fails either way. One scale at a time per pool.
   `switch_role(worker, role)`  the worker actor switches role in place (drain, deregister,
                 re-register); its slot moves to the other pool. One pool operation at a time.
-  `status()`    router, pools and workers with health and load (the `pdserve status` JSON).
+  `status()`    router, pools and workers with health and load (the `pdserve status` JSON);
+                `events_since(t)` the events after unix time t (a poller's read).
   `shutdown()`  router stops admitting and finishes its requests in flight, workers drain and stop,
                 router stops, every actor and placement group is removed.
 """
@@ -132,6 +133,10 @@ class Controller:
 
     async def ping(self) -> bool:
         return not self.stopping
+
+    async def events_since(self, since: float = 0.0) -> list[dict]:
+        """The events kept (the last 50) whose `time` (unix seconds) is after `since`: a poller's cheap read."""
+        return [e for e in self.events if e["time"] > since]
 
     def endpoints(self) -> dict:
         info = self.router_info
@@ -336,7 +341,7 @@ class Controller:
 
     async def _adapt(self, pool_busy: bool) -> None:
         """One adaptive plan: threshold to the router now; a role switch or resize as a task (they take seconds)."""
-        summary = await wait_ref(self.router.summary.remote(), 5.0)
+        summary = await wait_ref(self.router.summary.remote(self.config.autoscaler.adaptive.window_s), 5.0)
         snapshot = Snapshot.from_router(time.monotonic(), self._signals(self.pools["prefill"]), self._signals(self.pools["decode"]),
                                         summary, pool_busy)
         plan = self.policy.decide(snapshot)

@@ -285,6 +285,15 @@ def _connect(address: str | None) -> bool:
     return True
 
 
+def controller_at(address: str) -> Any:
+    """The deployment's controller actor on the Ray cluster at `address` (a driver connection from this
+    process, token authentication as the CLI does it); raises RuntimeError when there is none."""
+    controller = _running_controller(address)
+    if controller is None:
+        raise RuntimeError(f"no pdserve controller on the Ray cluster at {address}")
+    return controller
+
+
 def _running_controller(address: str | None) -> Any:
     """The deployment's controller on the cluster at `address`, or None (said on stderr)."""
     if not _connect(address):

@@ -19,6 +19,7 @@ heartbeats (`observe_workers`): their deltas over the window are the busy fracti
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections import deque
@@ -116,11 +117,13 @@ class CriticalPathWindow:
         return [p for p in self.paths if p.finished_at >= since]
 
     def breakdown(self, window_s: float = 60.0) -> dict:
-        """The last `window_s` seconds: per-stage p50 / mean / share of e2e, and the verdict."""
+        """The last `window_s` seconds: per-stage p50 / mean / share of e2e, the verdict, and each pool's summed
+        busy fraction (`busy`: PoolBusy's fields; the adaptive controller reads it)."""
         paths = self.window(window_s)
-        verdict = judge([p for p in paths if not p.local_prefill], self.busy(window_s), in_flight(paths))
+        busy = self.busy(window_s)
+        verdict = judge([p for p in paths if not p.local_prefill], busy, in_flight(paths))
         report: dict = {"window_s": window_s, "requests": len(paths), "local_prefill": sum(p.local_prefill for p in paths),
-                        "stages": {}, "verdict": verdict.as_dict()}
+                        "stages": {}, "verdict": verdict.as_dict(), "busy": dataclasses.asdict(busy)}
         if not paths:
             return report
         total = sum(p.e2e_s for p in paths)

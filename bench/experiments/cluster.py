@@ -86,10 +86,13 @@ def launch(name: str, args: list[str], log_path: Path, core: int | None = None, 
 
     threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()
     deadline = time.monotonic() + timeout
-    while not got_ready.wait(0.1):
-        if popen.poll() is not None or time.monotonic() > deadline:
-            terminate(proc, grace=2.0)
-            raise RuntimeError(f"{name} did not start (log: {log_path}):\n" + "\n".join(proc.lines[-40:]))
+    try:
+        while not got_ready.wait(0.1):
+            if popen.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{name} did not start (log: {log_path}):\n" + "\n".join(proc.lines[-40:]))
+    except BaseException:  # a failed start, or an interrupt while waiting: leave nothing behind
+        terminate(proc, grace=20.0)
+        raise
     return proc
 
 

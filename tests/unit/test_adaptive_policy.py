@@ -202,12 +202,12 @@ def test_plan_shape_and_the_status_line():
     plan = run(pol, [prompt_heavy(START + i * STEP, threshold=256) for i in range(3)])[-1]
     snap = prompt_heavy(START, threshold=256)
     assert snap.shape() == "1P/2D, local prefill <= 256 tokens"
-    assert plan.shape(snap) == "2P/1D, local prefill <= 128 tokens"
+    assert plan.shape(snap) == "2P/1D, local prefill <= 256 tokens", "a pressed prefill pool gets no prompts back"
     report = {"router": {}, "pools": {}, "autoscaler": {"enabled": True, "mode": "adaptive", "adaptive": {"reasons": list(plan.reasons)}},
               "events": [{"time": 0.0, "pool": "controller", "from": snap.shape(), "to": plan.shape(snap), "reason": "; ".join(plan.reasons)}]}
     text = format_status(report)
     assert "autoscaler on  mode adaptive" in text and "now: split: prefill pressed" in text
-    assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 128 tokens (local prefill: disaggregation pays" in text
+    assert "controller: 1P/2D, local prefill <= 256 tokens -> 2P/1D, local prefill <= 256 tokens (split: prefill pressed" in text
 
 
 def test_a_growing_pool_holds_on_its_direction_not_on_an_exact_target():
@@ -215,3 +215,70 @@ def test_a_growing_pool_holds_on_its_direction_not_on_an_exact_target():
     snaps = [dataclasses.replace(prompt_heavy(START + i * STEP, p=1, d=1), prefill=PoolSignals(1, queued_prompt_tokens=q, ttft_s=2.5))
              for i, q in enumerate((2500, 3500, 2500))]
     assert [p.resize for p in run(policy(pools), snaps)] == [None, None, ("prefill", 3)]
+
+
+# ---- busy fractions and where a pressure comes from ---------------------------------------------
+def saturated_prefill(now: float, threshold: int = 0, decode_busy: float = 0.2) -> Snapshot:
+    """1P/1D: long prompts queue at the one prefill worker; the one decode worker (at min_replicas) has time."""
+    return Snapshot(now, PoolSignals(1, queued_prompt_tokens=3000, ttft_s=2.5), PoolSignals(1, running_requests=2, kv_usage=0.1, itl_s=0.03),
+                    local_prefill_threshold=threshold, verdict="does not pay", margin=-0.01, shares={"prefill_queue": 0.6},
+                    busy={"prefill": 1.0, "decode": decode_busy})
+
+
+def test_a_pressed_prefill_pool_with_no_worker_to_spare_sends_prompts_to_decode_workers_with_time():
+    pol = policy()
+    plans = run(pol, [saturated_prefill(START + i * STEP) for i in range(3)])
+    assert [p.local_prefill_threshold for p in plans] == [None, None, 128]
+    assert "workers 100% busy), decode workers have time (20% busy) but none to spare" in plans[-1].reasons[0]
+    assert all(p.switch_to is None for p in plans), "decode is at min_replicas: it cannot give its worker"
+    busy = run(policy(), [saturated_prefill(START + i * STEP, decode_busy=0.9) for i in range(4)])
+    assert all(p.local_prefill_threshold is None for p in busy), "a decode worker with no time takes no prompts"
+    pays = [dataclasses.replace(saturated_prefill(START + i * STEP), verdict="pays", margin=0.1, busy={"prefill": 0.6, "decode": 0.2})
+            for i in range(4)]
+    assert all(p.local_prefill_threshold is None for p in run(policy(), pays)), "the split pays: local prefills would stretch decode"
+    saturated = [dataclasses.replace(s, busy={"prefill": 0.99, "decode": 0.2}) for s in pays]
+    assert run(policy(), saturated)[2].local_prefill_threshold == 128, "a saturated prefill pool's queue only grows: capacity first"
+
+
+def test_an_idle_prefill_pool_gives_its_worker_to_a_busy_decode_pool():
+    def snap(now: float, itl_s: float) -> Snapshot:  # every prompt prefills locally now: the prefill worker idles
+        return Snapshot(now, PoolSignals(1), PoolSignals(1, running_requests=4, kv_usage=0.2, itl_s=itl_s), local_prefill_threshold=512,
+                        verdict="no data", busy={"prefill": 0.02, "decode": 0.99}, local_share=1.0)
+
+    plans = run(policy(), [snap(START + i * STEP, 0.15) for i in range(3)])
+    assert [p.switch_to for p in plans] == [None, None, "decode"]
+    assert "prefill workers idle (2% busy), decode pressed (itl 1.50x)" in plans[-1].reasons[-1]
+    assert all(p.switch_to is None for p in run(policy(), [snap(START + i * STEP, 0.05) for i in range(4)])), \
+        "a decode engine 99% busy within its ITL SLO needs no worker"
+
+
+def test_a_ttft_breach_of_local_prefills_is_not_the_prefill_pools():
+    s = dataclasses.replace(saturated_prefill(START), prefill=PoolSignals(1, ttft_s=2.5), local_share=0.75)
+    pressure = policy().pressure("prefill", s)
+    assert pressure["ttft"] == pytest.approx(2.5 * 0.25) and pressure["prefill_queue"] == pytest.approx(0.6 / 0.3 * 0.25)
+    assert policy().pressure("prefill", dataclasses.replace(s, local_share=0.0))["ttft"] == pytest.approx(2.5)
+
+
+def test_a_pool_whose_workers_lack_time_does_not_give_one():
+    snaps = [dataclasses.replace(prompt_heavy(START + i * STEP, p=1, d=2), busy={"prefill": 1.0, "decode": 0.5}) for i in range(3)]
+    plans = run(policy(), snaps)
+    assert plans[-1].switch_to is None, "two decode workers 50% busy would leave one 100% busy"
+    assert plans[-1].resize == ("prefill", 3)
+
+
+def test_snapshot_reads_busy_fractions_and_local_share():
+    summary = {"critical_path": {"requests": 8, "local_prefill": 2, "verdict": {"verdict": "no data"},
+                                 "busy": {"prefill": 0.4, "decode": 1.5, "prefill_workers": 1, "decode_workers": 2}}}
+    s = Snapshot.from_router(START, PoolSignals(1), PoolSignals(2), summary)
+    assert s.busy == {"prefill": pytest.approx(0.4), "decode": pytest.approx(0.75)} and s.local_share == pytest.approx(0.25)
+    none = Snapshot.from_router(START, PoolSignals(0), PoolSignals(2), {"critical_path": {"busy": {"prefill": 0, "prefill_workers": 0}}})
+    assert none.busy == {} and none.local_share == 0.0
+
+
+def test_a_pays_verdict_sends_no_prompts_back_to_a_prefill_pool_without_time():
+    def snap(now: float, prefill_busy: float) -> Snapshot:
+        return Snapshot(now, PoolSignals(1, ttft_s=0.5), PoolSignals(1, running_requests=2, kv_usage=0.1, itl_s=0.03),
+                        local_prefill_threshold=512, verdict="pays", margin=0.12, busy={"prefill": prefill_busy, "decode": 0.6})
+
+    assert run(policy(), [snap(START + i * STEP, 0.95) for i in range(4)])[-1].local_prefill_threshold is None
+    assert [p.local_prefill_threshold for p in run(policy(), [snap(START + i * STEP, 0.4) for i in range(3)])] == [None, None, 384]

@@ -37,7 +37,7 @@ class RouterStandIn:
 
     def __init__(self, verdict: str, margin: float):
         self.threshold = 0
-        self.summary = Method(lambda: {"local_prefill_threshold": self.threshold, "critical_path": {
+        self.summary = Method(lambda window_s=60.0: {"local_prefill_threshold": self.threshold, "critical_path": {
             "stages": {"prefill_queue": {"share": 0.1}}, "verdict": {"verdict": verdict, "margin": margin}}})
         self.set_local_prefill_threshold = Method(self._set)
 

@@ -1,0 +1,571 @@
+"""Experiment: a replayed trace whose mix shifts, against fixed P/D splits and the adaptive controller.
+
+    python -m bench.experiments.adaptive_trace [--configs colocated 1p1d 1p2d adaptive] [--phase-s 75] [--quick]
+
+The trace (seeded, the same for every config): three phases of `--phase-s` seconds, Poisson arrivals,
+every prompt distinct (no prefix-cache hits):
+  prompt_heavy  long prompts, short answers
+  decode_heavy  short prompts, long answers
+  mixed         half of each kind, interleaved
+Lengths and rates: PHASES, scaled by --scale (lengths) and --load (rates).
+
+Deployment: every config is the real Ray deployment, `pdserve serve -c CONFIG` (deploy.launcher: the
+controller actor places the router and one actor per worker), same engine config (one torch thread
+per worker, chunked prefill with `--budget` tokens per step), same two cores (the workers are not
+pinned: Ray's logical CPUs are bookkeeping, the OS shares the machine's cores between the worker
+processes, as it would for any deployment on this box). Ray rather than a hand-made loop over plain
+processes because the adaptive run must be the real controller: its monitor tick builds the
+`Snapshot`, `AdaptivePolicy.decide()` plans, and the plan is carried out by real role switches of
+worker actors and real threshold changes on the router actor; Ray's own processes cost every config
+the same. The configs:
+  colocated  0 prefill + 2 decode workers; every prompt prefills on its decode worker
+  1p1d       1 prefill + 1 decode worker, local-prefill threshold 0 (every prompt disaggregated)
+  1p2d       1 prefill + 2 decode workers on the same 2 cores (three processes share them: the
+             "1P+2D" shape this machine allows, oversubscribed by one worker)
+  adaptive   starts as 1p1d with `autoscaler.adaptive.mode: adaptive`; pools prefill [1, 1] (the
+             shipped default keeps one prefill worker), decode [1, 2]: it moves the local-prefill
+             threshold and may add a second decode worker (ADAPTIVE: its interval, holds, cooldowns)
+  adaptive_p0  the same policy with prefill [0, 1]: it may also switch the prefill worker to decode
+
+Lifecycle of one config (`run_config`): write its YAML, start `pdserve serve` and wait for its ready
+line; connect to its Ray as a driver and find the controller; send a few warm-up requests; replay the
+trace through the router's gRPC Generate (bench.servebench: one stamp per streamed chunk) while a
+thread polls the controller's events (`Controller.events_since`) and `CpuShare` counts the CPU time
+of the deployment, of this process and of everything else on the machine (a shared machine: other
+users' work is recorded, not prevented; the Ray workers run at nice 0, not Ray's 15, so that they
+compete for the cores like any process); read the workers' KV blocks once
+the trace is done (all must be free again: no block leaked); SIGTERM the serve (it drains and
+removes every actor). Each config writes bench/results/adaptive_trace_<config>.json (raw records);
+the summary bench/results/adaptive_trace.json and adaptive_trace.png are rebuilt from every
+per-config file of the same trace, so the configs can run one per command (the machine's CPU lock
+is taken per command, between configs). Goodput = requests meeting both SLOs (TTFT and TPOT) per
+second: per phase, over the requests that arrived in it, divided by the phase's length; overall,
+over all of them, divided by the run's duration (first request sent to last finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import math
+import os
+import re
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import yaml
+
+from bench import serve
+from bench.experiments import common
+from bench.experiments.cluster import bench_config, launch, terminate
+from bench.servebench.workload import DEFAULT_VOCAB, RequestSpec, random_ids
+
+NAME = "adaptive_trace"
+ROLES = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class Kind:
+    prompt: tuple[int, int]
+    output: tuple[int, int]
+
+
+LONG_PROMPT = Kind((384, 768), (4, 16))
+LONG_ANSWER = Kind((16, 64), (96, 192))
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    rate: float
+    """Requests per second."""
+    kinds: tuple[tuple[Kind, float], ...]
+    """(kind, weight)."""
+
+
+PHASES = (
+    Phase("prompt_heavy", 1.3, ((LONG_PROMPT, 1.0),)),
+    Phase("decode_heavy", 1.2, ((LONG_ANSWER, 1.0),)),
+    Phase("mixed", 1.0, ((LONG_PROMPT, 0.5), (LONG_ANSWER, 0.5))),
+)
+
+CONFIGS = {
+    "colocated": {"prefill": 0, "decode": 2, "adaptive": False},
+    "1p1d": {"prefill": 1, "decode": 1, "adaptive": False},
+    "1p2d": {"prefill": 1, "decode": 2, "adaptive": False},
+    "adaptive": {"prefill": 1, "decode": 1, "adaptive": True, "prefill_min": 1},
+    "adaptive_p0": {"prefill": 1, "decode": 1, "adaptive": True, "prefill_min": 0},
+}
+FIXED = ("colocated", "1p1d", "1p2d")
+
+ADAPTIVE = {"hold_intervals": 2, "action_cooldown_s": 20, "threshold_cooldown_s": 8, "local_prefill_step": 512,
+            "local_prefill_max": 1024, "window_s": 10}
+"""The adaptive run's controller settings: a decision every 2 s interval x 2 holds at the soonest."""
+
+WORKER_ENV = {"RAY_worker_niceness": "0"}
+"""Ray starts its worker processes at nice 15; on a shared machine any other process then takes their
+cores first (measured: prefill 2x slower per token while another user's compiler ran). At nice 0 the
+deployment competes as the plain processes of the other experiments do."""
+
+
+# ---- the trace ---------------------------------------------------------------------------------
+def build_trace(phases: tuple[Phase, ...], phase_s: float, scale: float, load: float, seed: int) -> tuple[list[RequestSpec], list[str]]:
+    """The seeded trace: RequestSpecs in arrival order and each one's phase name."""
+    rng = np.random.default_rng(seed)
+    specs: list[RequestSpec] = []
+    phase_of: list[str] = []
+    for p, phase in enumerate(phases):
+        t = p * phase_s + rng.exponential(1 / (phase.rate * load))
+        weights = np.array([w for _, w in phase.kinds])
+        while t < (p + 1) * phase_s:
+            kind = phase.kinds[rng.choice(len(phase.kinds), p=weights / weights.sum())][0]
+            n_in = max(1, int(rng.integers(kind.prompt[0], kind.prompt[1] + 1) * scale))
+            n_out = max(2, int(rng.integers(kind.output[0], kind.output[1] + 1) * scale))
+            specs.append(RequestSpec(len(specs), n_in, n_out, float(t), prompt_ids=random_ids(rng, n_in, DEFAULT_VOCAB)))
+            phase_of.append(phase.name)
+            t += rng.exponential(1 / (phase.rate * load))
+    return specs, phase_of
+
+
+def trace_id(specs: list[RequestSpec]) -> str:
+    """A fingerprint of the trace: configs are compared only on the same one."""
+    h = hashlib.sha256()
+    for s in specs:
+        h.update(f"{s.prompt_len},{s.output_len},{s.arrival_s:.6f},{s.prompt_ids[:4]};".encode())
+    return h.hexdigest()[:16]
+
+
+# ---- one deployment ----------------------------------------------------------------------------
+def deploy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """The `pdserve serve` YAML of config `name`: same engine for all, pools and controller per config."""
+    shape = CONFIGS[name]
+    config = bench_config(args.transport, engine={"max_num_batched_tokens": args.budget, "kv_cache_memory_mb": 512})
+    config["router"]["local_prefill_threshold"] = 0
+    config["pools"] = {
+        "prefill": {"replicas": shape["prefill"], "min_replicas": shape.get("prefill_min", 0),
+                    "max_replicas": 1 if shape["adaptive"] else shape["prefill"], "num_cpus": 1},
+        "decode": {"replicas": shape["decode"], "min_replicas": 1, "max_replicas": 2 if shape["adaptive"] else shape["decode"],
+                   "num_cpus": 1},
+    }
+    config["autoscaler"] = {"enabled": shape["adaptive"], "interval_s": args.interval, "upscale_cooldown_s": 20,
+                            "downscale_cooldown_s": 60, "latency_quantile": 0.9,
+                            "prefill": {"ttft_slo_s": args.slo_ttft / 1000}, "decode": {"itl_slo_s": args.slo_tpot / 1000},
+                            "adaptive": {"mode": "adaptive" if shape["adaptive"] else "pools", **ADAPTIVE}}
+    return config
+
+
+class Deployment:
+    """`pdserve serve` in its own process, and a Ray driver connection to its controller."""
+
+    def __init__(self, name: str, config: dict[str, Any], log_dir: Path):
+        self.name, self.config, self.log_dir = name, config, log_dir
+        self.proc = None
+        self.controller = None
+
+    def __enter__(self) -> Deployment:
+        from deploy import launcher  # Ray: loaded only when a deployment starts
+
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        path = self.log_dir / f"{self.name}.yaml"
+        path.write_text(yaml.safe_dump(self.config))
+        self.proc = launch(f"serve-{self.name}", ["-m", "deploy.cli", "--log-level", "WARNING", "serve", "-c", str(path),
+                                                  "--grpc-port", "0", "--http-port", "0"], self.log_dir / f"{self.name}.log", timeout=300,
+                           env=WORKER_ENV)
+        try:
+            self.controller = launcher.controller_at(self.proc.ready["ray_address"])
+        except BaseException:
+            terminate(self.proc, grace=60)
+            raise
+        return self
+
+    @property
+    def grpc_address(self) -> str:
+        return self.proc.address
+
+    def events_since(self, since: float) -> list[dict]:
+        import ray
+
+        return ray.get(self.controller.events_since.remote(since), timeout=30)
+
+    def status(self) -> dict:
+        import ray
+
+        return ray.get(self.controller.status.remote(), timeout=60)
+
+    def __exit__(self, *exc) -> None:
+        import ray
+
+        ray.shutdown()
+        terminate(self.proc, grace=90)
+
+
+class EventPoller:
+    """A thread that collects the controller's events every `interval_s` while the trace plays."""
+
+    def __init__(self, deployment: Deployment, interval_s: float = 5.0):
+        self.deployment, self.interval_s = deployment, interval_s
+        self.events: list[dict] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="event-poller")
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.poll()
+
+    def poll(self) -> None:
+        since = self.events[-1]["time"] if self.events else 0.0
+        try:
+            self.events.extend(self.deployment.events_since(since))
+        except Exception as exc:  # noqa: BLE001 - a missed poll is caught up by the next one
+            common.log.warning("events poll failed: %r", exc)
+
+    def __enter__(self) -> EventPoller:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(60)
+        self.poll()
+
+
+def replay(address: str, specs: list[RequestSpec], warmup: int) -> tuple[list[dict], float, float]:
+    """Warm-up requests, then the trace; returns (records as dicts, duration, unix time of the trace's t=0)."""
+    args = argparse.Namespace(temperature=0.0, ignore_eos=True, seed=0, skip_detokenize=True, request_timeout=600.0)
+
+    async def go() -> tuple[list, float, float]:
+        backend = serve.GrpcBackend(address, None, args)
+        try:
+            rng = np.random.default_rng(10_000)
+            warm = [RequestSpec(i, 32, 8, 0.0, prompt_ids=random_ids(rng, 32, DEFAULT_VOCAB)) for i in range(warmup)]
+            await serve.run_load(backend, warm, None, progress=False)
+            t0 = time.time()
+            records, duration = await serve.run_load(backend, specs, None, progress=False)
+            return records, duration, t0
+        finally:
+            await backend.close()
+
+    records, duration, t0 = asyncio.run(go())
+    return [asdict(r) for r in records], duration, t0
+
+
+class CpuShare:
+    """Where the machine's CPU time went while the trace played: the deployment's process tree (the serve
+    process, Ray's and every worker's), this process (the load generator) and everything else on the box
+    (/proc/stat's busy time minus both: other users' work, which a shared machine does not stop)."""
+
+    def __init__(self, root_pid: int):
+        self.root_pid = root_pid
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, dict[int, float], float, float]:
+        import psutil
+
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+        busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        tree: dict[int, float] = {}
+        root = psutil.Process(self.root_pid)
+        for proc in [root, *root.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                tree[proc.pid] = t.user + t.system
+            except psutil.Error:
+                continue
+        own = psutil.Process().cpu_times()
+        return busy, tree, own.user + own.system, time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        """Cores' worth of CPU (CPU seconds per second) used by each, over the time since the start."""
+        busy0, tree0, own0, t0 = self.start
+        busy1, tree1, own1, t1 = self._sample()
+        span = max(1e-9, t1 - t0)
+        deployment = sum(cpu - tree0.get(pid, 0.0) for pid, cpu in tree1.items())
+        own = own1 - own0
+        return {"deployment_cores": round(deployment / span, 3), "load_generator_cores": round(own / span, 3),
+                "other_processes_cores": round(max(0.0, busy1 - busy0 - deployment - own) / span, 3)}
+
+
+def leaked_blocks(status: dict) -> dict[str, int]:
+    """KV blocks still held per worker once the trace is done (expected: none)."""
+    return {w["id"]: w["total_kv_blocks"] - w["free_kv_blocks"] for pool in status["pools"].values() for w in pool["workers"]
+            if w["total_kv_blocks"] - w["free_kv_blocks"]}
+
+
+def settle(deployment: Deployment, timeout: float = 30.0) -> dict:
+    """The controller's status once every worker's KV blocks are free again (or the timeout passed)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status = deployment.status()
+        if not leaked_blocks(status) or time.monotonic() > deadline:
+            return status
+        time.sleep(1.0)
+
+
+def run_config(name: str, specs: list[RequestSpec], phase_of: list[str], args: argparse.Namespace) -> dict[str, Any]:
+    config = deploy_config(name, args)
+    log_dir = Path(args.log_dir) / name
+    with Deployment(name, config, log_dir) as deployment, EventPoller(deployment) as poller:
+        loadavg_before = common.loadavg()
+        cpu = CpuShare(deployment.proc.popen.pid)
+        records, duration, t0 = replay(deployment.grpc_address, specs, args.warmup)
+        cpu_share = cpu.stop()
+        loadavg_after = common.loadavg()
+        status = settle(deployment)
+    slos = {"ttft": args.slo_ttft, "tpot": args.slo_tpot}
+    return {
+        "config": name, "shape": CONFIGS[name], "deploy_config": config, "slos_ms": slos,
+        "trace": {"id": trace_id(specs), "requests": len(specs), "phase_s": args.phase_s},
+        "loadavg": [loadavg_before, loadavg_after], "cpu": cpu_share, "log_dir": str(log_dir),
+        "metrics": score(records, phase_of, duration, args.phase_s, slos),
+        "events": [timed(e, t0) for e in poller.events],
+        "workers_at_end": {role: [w["id"] for w in pool["workers"]] for role, pool in status["pools"].items()},
+        "leaked_kv_blocks": leaked_blocks(status),
+        "t0_unix": t0, "requests": records,
+    }
+
+
+def timed(event: dict, t0: float) -> dict:
+    """An event with its time on the trace's clock (`t_s`: seconds since the trace's first request)."""
+    return {"t_s": round(event["time"] - t0, 2), **event}
+
+
+# ---- scoring -----------------------------------------------------------------------------------
+def score(records: list[dict], phase_of: list[str], duration: float, phase_s: float, slos: dict[str, float]) -> dict[str, Any]:
+    """Overall and per-phase serving metrics; every request of the trace accounted for."""
+    names = list(dict.fromkeys(phase_of))
+    out: dict[str, Any] = {"overall": brief(serve.compute_metrics(records, duration, slos))}
+    out["overall"]["sent"] = len(records)
+    for phase in names:
+        mine = [r for r in records if phase_of[r["index"]] == phase]
+        out[phase] = brief(serve.compute_metrics(mine, phase_s, slos))
+        out[phase]["sent"] = len(mine)
+    return out
+
+
+def brief(m: dict[str, Any]) -> dict[str, Any]:
+    keep = ("completed", "failed", "good_requests", "goodput", "request_throughput", "output_throughput", "duration_s")
+    pct = ("median", "p99")
+    return {**{k: m[k] for k in keep}, **{f"{key}_ms": {p: m[f"{key}_ms"][p] for p in pct} for key in ("ttft", "tpot", "itl")}}
+
+
+def acceptance(results: dict[str, dict], name: str = "adaptive") -> dict[str, Any] | None:
+    """An adaptive config's overall goodput vs the best and the worst fixed config of the same trace."""
+    fixed = {n: r["metrics"]["overall"]["goodput"] for n, r in results.items() if n in FIXED}
+    if name not in results or not fixed:
+        return None
+    mine = results[name]["metrics"]["overall"]["goodput"]
+    best, worst = max(fixed, key=fixed.get), min(fixed, key=fixed.get)
+    return {"adaptive": mine, "best_fixed": best, "best_goodput": fixed[best], "worst_fixed": worst, "worst_goodput": fixed[worst],
+            "over_best": mine / fixed[best] if fixed[best] else math.inf, "over_worst": mine / fixed[worst] if fixed[worst] else math.inf,
+            "met": mine >= fixed[best] and mine >= 1.2 * fixed[worst]}
+
+
+# ---- summary and plot --------------------------------------------------------------------------
+def load_results(tid: str) -> dict[str, dict]:
+    """Every per-config result of trace `tid` found in RESULTS, by config."""
+    found = {}
+    for name in CONFIGS:
+        path = common.RESULTS / f"{NAME}_{name}.json"
+        if path.exists():
+            data = json.loads(path.read_text())
+            if data["trace"]["id"] == tid:
+                found[name] = data
+    return found
+
+
+def summarize(results: dict[str, dict], info: dict, args: argparse.Namespace, phases: list[str]) -> dict[str, Any]:
+    return {
+        "experiment": NAME, "command": common.command_line(), "machine": info, "params": vars(args),
+        "phases": [asdict(p) for p in PHASES], "phase_names": phases, "adaptive_settings": ADAPTIVE,
+        "results": {n: {k: r.get(k) for k in ("shape", "slos_ms", "trace", "loadavg", "cpu", "metrics", "events", "leaked_kv_blocks",
+                                          "workers_at_end")} | {"raw": f"{NAME}_{n}.json"} for n, r in results.items()},
+        "acceptance": acceptance(results),
+        "acceptance_by_config": {n: acceptance(results, n) for n in results if CONFIGS[n]["adaptive"]},
+    }
+
+
+def plot(results: dict[str, dict], phases: list[str], phase_s: float) -> str:
+    plt = common.pyplot()
+    adaptive = [n for n in results if CONFIGS[n]["adaptive"]]
+    fig, axes = plt.subplots(1 + len(adaptive), 1, figsize=(13, 4.6 * (1 + len(adaptive))), squeeze=False)
+    bars = axes[0][0]
+    groups = [*phases, "overall"]
+    width = 0.8 / max(1, len(results))
+    for i, (name, res) in enumerate(results.items()):
+        values = [res["metrics"][g]["goodput"] for g in groups]
+        bars.bar(np.arange(len(groups)) + i * width, values, width, label=name)
+    bars.set_xticks(np.arange(len(groups)) + width * (len(results) - 1) / 2, groups)
+    bars.set_ylabel("goodput (req/s meeting TTFT and TPOT SLOs)")
+    bars.set_title("goodput per phase", fontsize=10)
+    bars.legend(fontsize=8)
+    bars.grid(alpha=0.3, axis="y")
+    for row, name in zip(axes[1:], adaptive):
+        timeline(row[0], name, results[name], phases, phase_s)
+    return common.save_figure(fig, f"{NAME}.png")
+
+
+def timeline(ax, name: str, res: dict, phases: list[str], phase_s: float) -> None:
+    """An adaptive run: its goodput per 10 s window, its shape over time, and each controller event at its time."""
+    slos = res["slos_ms"]
+    ends = [r for r in res["requests"] if r["ok"]]
+    good = [r["start_s"] for r in ends if good_request(r, slos)]
+    edges = np.arange(0, len(phases) * phase_s + 10, 10)
+    counts, _ = np.histogram(good, bins=edges)
+    ax.step(edges[:-1], counts / 10, where="post", color="tab:green", label=f"{name} goodput (by arrival, 10 s)")
+    for p, phase in enumerate(phases):
+        ax.axvspan(p * phase_s, (p + 1) * phase_s, color=f"C{p}", alpha=0.07)
+        ax.text((p + 0.5) * phase_s, 0.02, phase, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
+    for k, e in enumerate(e for e in res["events"] if e["t_s"] >= 0):
+        ax.axvline(e["t_s"], color="tab:red" if e["pool"] == "controller" else "tab:purple", lw=1, ls="--")
+        ax.text(e["t_s"], 0.97 - 0.09 * (k % 8), event_label(e), transform=ax.get_xaxis_transform(), fontsize=6, va="top")
+    shape = ax.twinx()
+    times, p, d, t = zip(*shape_timeline(res, len(phases) * phase_s))
+    shape.step(times, p, where="post", color="tab:blue", label="prefill workers")
+    shape.step(times, d, where="post", color="tab:orange", label="decode workers")
+    shape.step(times, [x / 512 for x in t], where="post", color="gray", ls=":", label="local-prefill threshold / 512")
+    shape.set_ylim(-0.1, max(3, max(d) + 1))
+    shape.set_ylabel("workers; threshold / 512 tokens")
+    shape.legend(fontsize=7, loc="center right")
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("trace time (s)")
+    ax.set_ylabel("req/s")
+    ax.set_title(f"{name}: the controller's decisions (red: plans, purple: role switches / resizes)", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8, loc="upper left")
+
+
+def shape_timeline(res: dict, end_s: float) -> list[tuple[float, int, int, int]]:
+    """(time, prefill workers, decode workers, threshold) after each event, from the start shape to `end_s`."""
+    shape = res["shape"]
+    p, d, t = shape["prefill"], shape["decode"], res.get("start_threshold", 0)
+    points = [(0.0, p, d, t)]
+    for e in res["events"]:
+        if e["pool"] == "controller":
+            found = re.search(r"local prefill <= (\d+)", e["to"])
+            t = int(found.group(1)) if found else t
+        elif e.get("worker_id") and e["from"] in ROLES:  # a role switch
+            p, d = (p + 1, d - 1) if e["to"] == "prefill" else (p - 1, d + 1)
+        elif isinstance(e.get("to"), int) and e["pool"] in ROLES:  # a resize
+            p, d = (e["to"], d) if e["pool"] == "prefill" else (p, e["to"])
+        points.append((max(0.0, e["t_s"]), p, d, t))
+    points.append((end_s, p, d, t))
+    return points
+
+
+def event_label(e: dict) -> str:
+    if e["pool"] == "controller":
+        return f"{e['to']}"
+    return f"{e.get('worker_id', e['pool'])}: {e['from']} -> {e['to']}"
+
+
+def good_request(r: dict, slos: dict[str, float]) -> bool:
+    stats = serve.token_stats(r)
+    if stats is None:
+        return False
+    return stats["ttft"] * 1000 <= slos["ttft"] and (stats["tpot"] or 0.0) * 1000 <= slos["tpot"]
+
+
+# ---- docs/benchmarks.md ------------------------------------------------------------------------
+DOC = common.REPO / "docs" / "benchmarks.md"
+BEGIN = "<!-- BEGIN adaptive_trace: generated by `python -m bench.experiments.adaptive_trace --summary-only --docs` -->"
+END = "<!-- END adaptive_trace -->"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    """The generated part of the section: machine, command, the per-phase table, the acceptance and the events."""
+    from bench.experiments.report import fmt, header
+
+    phases, lines = report["phase_names"], [BEGIN, *header(report)]
+    slos = next(iter(report["results"].values()))["slos_ms"]
+    lines += [f"SLOs: TTFT <= {slos['ttft']:g} ms and TPOT <= {slos['tpot']:g} ms. Goodput in req/s (good / sent in brackets).", "",
+              "| config | " + " | ".join(phases) + " | overall | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
+              "| cores: deployment / others |",
+              "|---|" + "---:|" * (len(phases) + 1) + "---:|---:|---:|---:|"]
+    for name, res in report["results"].items():
+        m = res["metrics"]
+        cells = [f"{fmt(m[g]['goodput'], 3)} ({m[g]['good_requests']}/{m[g]['sent']})" for g in [*phases, "overall"]]
+        o = m["overall"]
+        pct = [f"{fmt(o[k]['median'], 0)} / {fmt(o[k]['p99'], 0)}" for k in ("ttft_ms", "tpot_ms", "itl_ms")]
+        cpu = res.get("cpu") or {}
+        pct.append(f"{fmt(cpu.get('deployment_cores'), 2)} / {fmt(cpu.get('other_processes_cores'), 2)}")
+        lines.append(f"| {name} | " + " | ".join(cells + pct) + " |")
+    for name, a in ((n, a) for n, a in (report.get("acceptance_by_config") or {}).items() if a):
+        lines += ["", f"`{name}` overall goodput {a['adaptive']:.3f} req/s: x{a['over_best']:.2f} the best fixed config "
+                  f"({a['best_fixed']}, {a['best_goodput']:.3f}) and x{a['over_worst']:.2f} the worst ({a['worst_fixed']}, "
+                  f"{a['worst_goodput']:.3f}); acceptance (>= best and >= 1.2 x worst): {'met' if a['met'] else 'NOT met'}."]
+    for name in (n for n in report["results"] if CONFIGS[n]["adaptive"]):
+        lines += ["", f"The `{name}` run's events (trace time, `pool`, shape before -> after: reason):", ""]
+        lines += [f"- {e['t_s']:.1f} s `{e['pool']}` {e.get('from')} -> {e.get('to')}: {e['reason']}"
+                  for e in report["results"][name]["events"] if e["t_s"] >= 0] or ["- none"]
+    lines += ["", "![adaptive trace](../bench/results/adaptive_trace.png)", END]
+    return "\n".join(lines)
+
+
+def write_doc(section: str) -> None:
+    """Replaces the generated block in docs/benchmarks.md (appends it, the first time)."""
+    text = DOC.read_text()
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    DOC.write_text(text)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = common.parser(__doc__, NAME)
+    p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
+    p.add_argument("--scale", type=float, default=1.0, help="scales every prompt and answer length")
+    p.add_argument("--load", type=float, default=1.0, help="scales every phase's request rate")
+    p.add_argument("--slo-ttft", type=float, default=4000.0, help="TTFT SLO (ms)")
+    p.add_argument("--slo-tpot", type=float, default=250.0, help="TPOT SLO (ms)")
+    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
+    p.add_argument("--interval", type=float, default=2.0, help="autoscaler.interval_s of the adaptive run")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    p.add_argument("--warmup", type=int, default=4, help="warm-up requests before the trace")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log-dir", default="/tmp/pdserve-adaptive-trace", help="YAML configs and serve logs")
+    p.add_argument("--summary-only", action="store_true", help="rebuild the summary and plot from the per-config files")
+    p.add_argument("--docs", action="store_true", help="rewrite the generated block of docs/benchmarks.md from the summary")
+    p.add_argument("--quick", action="store_true", help="three 12 s phases, short lengths (results under bench/results/quick/)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.quick:
+        args.phase_s, args.scale, args.load = 12.0, 0.25, 0.6
+    info, started = common.begin(args.quick)
+    specs, phase_of = build_trace(PHASES, args.phase_s, args.scale, args.load, args.seed)
+    phases = list(dict.fromkeys(phase_of))
+    for name in [] if args.summary_only else args.configs:
+        result = run_config(name, specs, phase_of, args)
+        result["machine"] = common.finish(dict(info), started)
+        common.save(f"{NAME}_{name}", result)
+        overall = result["metrics"]["overall"]
+        print(f"{name}: goodput {overall['goodput']:.3f} req/s ({overall['good_requests']}/{overall['sent']} good, "
+              f"{overall['failed']} failed), {len(result['events'])} events", file=sys.stderr)
+    results = load_results(trace_id(specs))
+    if not results:
+        return 1
+    report = summarize(results, common.finish(info, started), args, phases)
+    report["plot"] = plot(results, phases, args.phase_s)
+    common.save(NAME, report)
+    if args.docs and not args.quick:
+        write_doc(markdown(report))
+    if report["acceptance"]:
+        print("acceptance:", json.dumps(report["acceptance"]), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
