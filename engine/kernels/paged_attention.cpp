@@ -1,17 +1,25 @@
 // Decode attention that reads K and V where they live in the paged pool (CPU, fp32 and bf16).
 //
-// One task per row. K pass: the row's blocks in table order (each block one contiguous run of bytes,
-// prefetched one block ahead); each K row of a KV head is converted to fp32 once and dotted with the
-// G = H / Hkv query heads that share it, 16 keys at a time. The scores of the whole context (a few KB)
-// are softmaxed in fp32. V pass: per KV head, its query heads accumulate in registers while that head's
-// V rows stream by. No workspace, no padding: a row reads exactly `context_lens[row]` keys.
-// Shapes: q [B, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous);
-// block_table [B, W] int32 or int64; context_lens [B] int32 or int64; returns [B, H, D] in q's dtype.
+// One task per row. A row is one request: its block table, its context length, and its queries, the
+// last `n` positions of that context (n = 1 for a decode; 1 + k for a request verifying k proposed
+// tokens, whose query i sees the context up to its own position: causal inside the row). K pass: the
+// row's blocks in table order (each block one contiguous run of bytes, prefetched one block ahead),
+// 16 keys at a time: their rows of a KV head are converted to fp32 once and dotted with the G = H / Hkv
+// query heads of every query that share it. Each query head's scores (a few KB) are softmaxed in fp32
+// over its own keys; the keys past a query's position get weight 0. V pass: per KV head, up to four
+// (query, head) pairs accumulate in registers while that head's V rows stream by. No workspace, no
+// padding: a row reads exactly `context_lens[row]` keys, and a query gives bit for bit what a one-query
+// row of its own length gives.
+// Shapes: q [T, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous); block_table [B, W]
+// int32 or int64; context_lens [B] (same dtype); query_starts [B + 1] (same dtype, optional: row b's
+// queries are q[query_starts[b] : query_starts[b + 1]]; without it T = B, one query per row); returns
+// [T, H, D] in q's dtype.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <optional>
 #include <cstring>
 #include <cmath>
 #include <limits>
@@ -26,6 +34,21 @@ inline float as_float(at::BFloat16 x) {  // bf16 is the top half of an fp32: a s
   float f;
   std::memcpy(&f, &bits, sizeof f);
   return f;
+}
+
+// x rounded to scalar_t and back (for bf16: round to nearest even on the bits, which the compiler vectorizes;
+// x is finite here).
+template <typename scalar_t>
+inline float round_to(float x) { return as_float(static_cast<scalar_t>(x)); }
+template <>
+inline float round_to<float>(float x) { return x; }
+template <>
+inline float round_to<at::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
 }
 
 template <int D, typename scalar_t>
@@ -93,7 +116,6 @@ struct Geometry {
 
 struct Scratch {  // one per thread, reused across its rows
   std::vector<float> floats;
-  std::vector<v16> partial;
 };
 
 // Ask for block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
@@ -112,124 +134,181 @@ inline const scalar_t* token_row(const scalar_t* pool, const index_t* table, int
   return pool + static_cast<int64_t>(table[pos / g.block_size]) * g.k_block + (pos % g.block_size) * g.k_token;
 }
 
-// scores[h * length + t] = q_h . K_t for every (scaled) query head and every key of the row, 16 keys at a
-// time: per key and head one vertical multiply-add per 16 dims, then one transposing sum per 16 keys.
+// Keys query `query` of a row with `queries` queries and `length` keys may see: its own position and before.
+inline int64_t visible_keys(int64_t length, int64_t queries, int64_t query) { return length - queries + 1 + query; }
+
+// The (query, head) pairs that share KV head `kvh`, numbered 0 .. queries * G - 1 query by query: pair j's
+// row in the [queries * H, ...] buffers.
+inline int64_t pair_head(int64_t j, int64_t kvh, const Geometry& g) {
+  const int64_t group = g.heads / g.kv_heads;
+  return j / group * g.heads + kvh * group + j % group;
+}
+
+// scores[(i * H + h) * length + t] = q_{i,h} . K_t for every (scaled) query head h of every query i and
+// every key t of the row, 16 keys at a time: the 16 keys' rows of a KV head are converted once, then
+// kScoreHeads query heads at a time (their queries held in registers) take one vertical multiply-add per
+// 16 dims and key, and one transposing sum per 16 keys.
+template <int D>
+constexpr int kScoreHeads = std::max(1, std::min(4, 16 / (D / kLanes)));
+
 template <int D, typename scalar_t, typename index_t>
-void score_keys(const float* qf, const scalar_t* key, const index_t* table, int64_t length, const Geometry& g,
-                float* scores, v16* partial) {
-  constexpr int chunks = D / kLanes;
-  const int64_t group = g.heads / g.kv_heads, num_blocks = (length + g.block_size - 1) / g.block_size;
-  alignas(64) float row[D];
+void score_keys(const float* qf, int64_t queries, const scalar_t* key, const index_t* table, int64_t length,
+                const Geometry& g, float* scores) {
+  constexpr int chunks = D / kLanes, block = kScoreHeads<D>;
+  const int64_t pairs = queries * (g.heads / g.kv_heads), num_blocks = (length + g.block_size - 1) / g.block_size;
+  alignas(64) float tile[kLanes][D];
+  v16 partial[block][kLanes];
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
-    for (int64_t t = 0; t < kLanes; ++t) {
-      const int64_t pos = first + t;
-      if (t < n && pos % g.block_size == 0) prefetch_block(key, table, pos / g.block_size + 1, num_blocks, g);
-      for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-        v16 k[chunks] = {};
+    for (int64_t t = 0; t < n; ++t)
+      if ((first + t) % g.block_size == 0) prefetch_block(key, table, (first + t) / g.block_size + 1, num_blocks, g);
+    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+      for (int64_t t = 0; t < kLanes; ++t) {
         if (t < n) {
-          load_row<D>(token_row(key, table, pos, g) + kvh * g.k_head, row);
-          std::memcpy(k, row, sizeof row);
+          load_row<D>(token_row(key, table, first + t, g) + kvh * g.k_head, tile[t]);
+        } else {
+          std::memset(tile[t], 0, sizeof tile[t]);
         }
-        for (int64_t h = kvh * group; h < (kvh + 1) * group; ++h) {
-          v16 sum = {};
-          for (int c = 0; c < chunks; ++c) {
-            v16 qc;
-            std::memcpy(&qc, qf + h * D + c * kLanes, sizeof qc);
-            sum += qc * k[c];
+      }
+      for (int64_t p0 = 0; p0 < pairs; p0 += block) {
+        const int64_t count = std::min<int64_t>(block, pairs - p0);
+        int64_t heads[block];
+        v16 qr[block][chunks];
+        for (int j = 0; j < block; ++j) {  // a short last block repeats its first pair (computed, not stored)
+          heads[j] = pair_head(p0 + (j < count ? j : 0), kvh, g);
+          std::memcpy(qr[j], qf + heads[j] * D, sizeof qr[j]);
+        }
+        for (int64_t t = 0; t < kLanes; ++t) {
+          v16 k[chunks];
+          std::memcpy(k, tile[t], sizeof k);
+          for (int j = 0; j < block; ++j) {
+            v16 sum = {};
+            for (int c = 0; c < chunks; ++c) sum += qr[j][c] * k[c];
+            partial[j][t] = sum;
           }
-          partial[h * kLanes + t] = sum;
+        }
+        for (int64_t j = 0; j < count; ++j) {
+          alignas(64) float out[kLanes];
+          const v16 total = transpose_sum(partial[j]);
+          std::memcpy(out, &total, sizeof out);
+          std::memcpy(scores + heads[j] * length + first, out, n * sizeof(float));
         }
       }
     }
-    for (int64_t h = 0; h < g.heads; ++h) {
-      alignas(64) float out[kLanes];
-      const v16 total = transpose_sum(partial + h * kLanes);
-      std::memcpy(out, &total, sizeof out);
-      std::memcpy(scores + h * length + first, out, n * sizeof(float));
-    }
   }
 }
 
-// In place: each head's scores become exp(score - max), rounded to the pool's dtype as torch's CPU
-// flash attention rounds them before its P @ V product (so a bf16 pool gives what transformers' bf16
-// SDPA gives); inverse_sums[h] = 1 / the sum of the unrounded values, applied to the output.
+// The largest of s[0 .. n), 16 lanes at a time (a scalar max is one dependent instruction per score).
+inline float max_of(const float* s, int64_t n) {
+  v16 lanes;
+  for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
+  int64_t t = 0;
+  for (; t + kLanes <= n; t += kLanes) {
+    v16 x;
+    std::memcpy(&x, s + t, sizeof x);
+    lanes = x > lanes ? x : lanes;
+  }
+  float top = -std::numeric_limits<float>::infinity();
+  for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
+  for (; t < n; ++t) top = std::max(top, s[t]);
+  return top;
+}
+
+// In place: each query head's scores over the keys it sees become exp(score - max), rounded to the pool's
+// dtype as torch's CPU flash attention rounds them before its P @ V product (so a bf16 pool gives what
+// transformers' bf16 SDPA gives), and the keys it does not see weigh 0; inverse_sums[i * H + h] = 1 / the
+// sum of the unrounded values, applied to the output.
 template <typename scalar_t>
-inline void softmax_rows(float* scores, int64_t heads, int64_t length, float* inverse_sums) {
-  for (int64_t h = 0; h < heads; ++h) {
-    float* s = scores + h * length;
-    const float top = *std::max_element(s, s + length);
-    float sum = 0.f;
+inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t length, float* inverse_sums) {
+  for (int64_t i = 0; i < queries; ++i) {
+    const int64_t visible = visible_keys(length, queries, i);
+    for (int64_t h = i * heads; h < (i + 1) * heads; ++h) {
+      float* s = scores + h * length;
+      const float top = max_of(s, visible);
+      float sum = 0.f;
 #pragma omp simd reduction(+ : sum)
-    for (int64_t t = 0; t < length; ++t) {
-      const float e = exp_nonpositive(s[t] - top);
-      sum += e;
-      s[t] = as_float(static_cast<scalar_t>(e));
+      for (int64_t t = 0; t < visible; ++t) {
+        const float e = exp_nonpositive(s[t] - top);
+        sum += e;
+        s[t] = round_to<scalar_t>(e);
+      }
+      std::fill(s + visible, s + length, 0.f);
+      inverse_sums[h] = 1.f / sum;
     }
-    inverse_sums[h] = 1.f / sum;
   }
 }
 
-// acc[h] = sum_t weights[h * length + t] * V_t. Per KV head, up to kHeadsAtOnce of the query heads that
-// share it accumulate in registers while the row's V rows of that head stream by (the row's blocks stay in
-// L2 between the KV heads' passes).
-constexpr int kHeadsAtOnce = 4;
+// acc[i * H + h] = sum_t weights[(i * H + h) * length + t] * V_t. Per KV head, up to kValueHeads of the
+// (query, head) pairs that share it accumulate in registers while the row's V rows of that head stream by
+// (the row's blocks stay in L2 between the passes), as far as the last of those queries sees.
+template <int D>
+constexpr int kValueHeads = std::max(1, std::min(8, 24 / (D / kLanes)));
 
 template <int D, typename scalar_t, typename index_t>
-void weigh_values(const float* weights, const scalar_t* value, const index_t* table, int64_t length,
+void weigh_values(const float* weights, int64_t queries, const scalar_t* value, const index_t* table, int64_t length,
                   const Geometry& g, float* acc) {
-  constexpr int chunks = D / kLanes;
-  const int64_t group = g.heads / g.kv_heads;
+  constexpr int chunks = D / kLanes, block = kValueHeads<D>;
+  const int64_t group = g.heads / g.kv_heads, pairs = queries * group;
   alignas(64) float row[D];
   for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-    for (int64_t first = kvh * group; first < (kvh + 1) * group; first += kHeadsAtOnce) {
-      const int64_t heads = std::min<int64_t>(kHeadsAtOnce, (kvh + 1) * group - first);
-      v16 sums[kHeadsAtOnce][chunks] = {};
-      for (int64_t pos = 0; pos < length; ++pos) {
+    for (int64_t first = 0; first < pairs; first += block) {
+      const int64_t count = std::min<int64_t>(block, pairs - first);
+      int64_t heads[block];
+      for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
+      const int64_t visible = visible_keys(length, queries, (first + count - 1) / group);
+      v16 sums[block][chunks] = {};
+      for (int64_t pos = 0; pos < visible; ++pos) {
         load_row<D>(token_row(value, table, pos, g) + kvh * g.k_head, row);
         v16 v[chunks];
         std::memcpy(v, row, sizeof row);
-        for (int j = 0; j < kHeadsAtOnce; ++j) {
-          if (j >= heads) break;
-          const float p = weights[(first + j) * length + pos];
+        for (int j = 0; j < block; ++j) {
+          if (j >= count) break;
+          const float p = weights[heads[j] * length + pos];
           for (int c = 0; c < chunks; ++c) sums[j][c] += p * v[c];
         }
       }
-      for (int64_t j = 0; j < heads; ++j) std::memcpy(acc + (first + j) * D, sums[j], sizeof sums[j]);
+      for (int64_t j = 0; j < count; ++j) std::memcpy(acc + heads[j] * D, sums[j], sizeof sums[j]);
     }
   }
 }
 
+// One row: queries q[first_query : first_query + queries], the last `queries` positions of `length` keys.
 template <int D, typename scalar_t, typename index_t>
 void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, const index_t* table, int64_t length,
-                int64_t row, float scale, const Geometry& g, scalar_t* out, Scratch& scratch) {
-  scratch.floats.resize(g.heads * (2 * D + length + 1));
-  scratch.partial.resize(g.heads * kLanes);
-  float* qf = scratch.floats.data();  // [H, D] scaled queries
-  float* acc = qf + g.heads * D;      // [H, D]
-  float* scores = acc + g.heads * D;  // [H, length]
-  float* inverse_sums = scores + g.heads * length;  // [H]
+                int64_t first_query, int64_t queries, float scale, const Geometry& g, scalar_t* out, Scratch& scratch) {
+  const int64_t heads = queries * g.heads;  // (query, head) pairs
+  scratch.floats.resize(heads * (2 * D + length + 1));
+  float* qf = scratch.floats.data();  // [queries * H, D] scaled queries
+  float* acc = qf + heads * D;        // [queries * H, D]
+  float* scores = acc + heads * D;    // [queries * H, length]
+  float* inverse_sums = scores + heads * length;  // [queries * H]
   prefetch_block(key, table, 0, 1, g);
-  for (int64_t h = 0; h < g.heads; ++h) {
-    load_row<D>(q + row * g.q_row + h * g.q_head, qf + h * D);
-    for (int i = 0; i < D; ++i) qf[h * D + i] *= scale;
+  for (int64_t i = 0; i < queries; ++i) {
+    for (int64_t h = 0; h < g.heads; ++h) {
+      float* qh = qf + (i * g.heads + h) * D;
+      load_row<D>(q + (first_query + i) * g.q_row + h * g.q_head, qh);
+      for (int d = 0; d < D; ++d) qh[d] *= scale;
+    }
   }
-  score_keys<D>(qf, key, table, length, g, scores, scratch.partial.data());
-  softmax_rows<scalar_t>(scores, g.heads, length, inverse_sums);
+  score_keys<D>(qf, queries, key, table, length, g, scores);
+  softmax_rows<scalar_t>(scores, queries, g.heads, length, inverse_sums);
   prefetch_block(value, table, 0, 1, g);
-  weigh_values<D>(scores, value, table, length, g, acc);
-  for (int64_t h = 0; h < g.heads; ++h) {
-    scalar_t* o = out + row * g.o_row + h * g.o_head;
-    for (int i = 0; i < D; ++i) o[i] = static_cast<scalar_t>(acc[h * D + i] * inverse_sums[h]);
+  weigh_values<D>(scores, queries, value, table, length, g, acc);
+  for (int64_t i = 0; i < queries; ++i) {
+    for (int64_t h = 0; h < g.heads; ++h) {
+      const int64_t head = i * g.heads + h;
+      scalar_t* o = out + (first_query + i) * g.o_row + h * g.o_head;
+      for (int d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[head * D + d] * inverse_sums[head]);
+    }
   }
 }
 
 template <typename scalar_t, typename index_t>
 void run(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& table,
-         const torch::Tensor& lens, float scale, torch::Tensor& out) {
+         const torch::Tensor& lens, const index_t* starts, float scale, torch::Tensor& out) {
   const Geometry g{q.size(1), key.size(2), q.size(2), key.size(1), table.size(1),
                    q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), out.stride(0), out.stride(1)};
-  const int64_t rows = q.size(0);
+  const int64_t rows = lens.size(0);
   const auto* qp = q.data_ptr<scalar_t>();
   const auto* kp = key.data_ptr<scalar_t>();
   const auto* vp = value.data_ptr<scalar_t>();
@@ -240,13 +319,16 @@ void run(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& 
     Scratch scratch;
     for (int64_t row = begin; row < end; ++row) {
       const int64_t length = static_cast<int64_t>(lp[row]);
+      const int64_t first = starts ? static_cast<int64_t>(starts[row]) : row;
+      const int64_t queries = starts ? static_cast<int64_t>(starts[row + 1]) - first : 1;
       TORCH_CHECK(length >= 1 && length <= g.table_width * g.block_size, "context_lens[", row, "] = ", length,
                   " is outside [1, table width * block size]");
+      TORCH_CHECK(queries >= 1 && queries <= length, "row ", row, " has ", queries, " queries for ", length, " keys");
       const index_t* row_table = tp + row * g.table_width;
       switch (g.dim) {
-#define PDSERVE_HEAD_DIM(D)                                                 \
-  case D:                                                                   \
-    attend_row<D>(qp, kp, vp, row_table, length, row, scale, g, op, scratch); \
+#define PDSERVE_HEAD_DIM(D)                                                                  \
+  case D:                                                                                    \
+    attend_row<D>(qp, kp, vp, row_table, length, first, queries, scale, g, op, scratch); \
     break;
         PDSERVE_HEAD_DIMS(PDSERVE_HEAD_DIM)
 #undef PDSERVE_HEAD_DIM
@@ -258,20 +340,33 @@ void run(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& 
 }
 
 torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor block_table,
-                           torch::Tensor context_lens, double scale) {
-  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(), "q [B, H, D], key/value [N, bs, Hkv, D]");
+                           torch::Tensor context_lens, double scale, std::optional<torch::Tensor> query_starts) {
+  TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(), "q [T, H, D], key/value [N, bs, Hkv, D]");
   TORCH_CHECK(q.size(2) == key.size(3) && q.size(1) % key.size(2) == 0, "head_dim must match and Hkv divide H");
   TORCH_CHECK(q.stride(2) == 1 && key.stride(3) == 1 && value.strides() == key.strides(), "head_dim must be contiguous");
   TORCH_CHECK(q.scalar_type() == key.scalar_type(), "q and the pool must have one dtype");
   TORCH_CHECK(block_table.is_contiguous() && context_lens.is_contiguous(), "block_table / context_lens must be contiguous");
   TORCH_CHECK(block_table.scalar_type() == context_lens.scalar_type(), "block_table and context_lens: one index dtype");
+  TORCH_CHECK(block_table.size(0) == context_lens.size(0), "one block table row per context length");
+  const bool multi = query_starts.has_value();
+  if (multi) {
+    TORCH_CHECK(query_starts->is_contiguous() && query_starts->scalar_type() == context_lens.scalar_type(),
+                "query_starts: contiguous, the index dtype of context_lens");
+    TORCH_CHECK(query_starts->numel() == context_lens.numel() + 1, "query_starts must hold rows + 1 offsets");
+  } else {
+    TORCH_CHECK(q.size(0) == context_lens.size(0), "one query per row without query_starts");
+  }
   auto out = torch::empty_like(q, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if (block_table.scalar_type() == at::kInt) {
-      run<scalar_t, int32_t>(q, key, value, block_table, context_lens, static_cast<float>(scale), out);
+      const int32_t* starts = multi ? query_starts->data_ptr<int32_t>() : nullptr;
+      TORCH_CHECK(!multi || (starts[0] == 0 && starts[context_lens.numel()] == q.size(0)), "query_starts must run from 0 to T");
+      run<scalar_t, int32_t>(q, key, value, block_table, context_lens, starts, static_cast<float>(scale), out);
     } else {
       TORCH_CHECK(block_table.scalar_type() == at::kLong, "block_table must be int32 or int64");
-      run<scalar_t, int64_t>(q, key, value, block_table, context_lens, static_cast<float>(scale), out);
+      const int64_t* starts = multi ? query_starts->data_ptr<int64_t>() : nullptr;
+      TORCH_CHECK(!multi || (starts[0] == 0 && starts[context_lens.numel()] == q.size(0)), "query_starts must run from 0 to T");
+      run<scalar_t, int64_t>(q, key, value, block_table, context_lens, starts, static_cast<float>(scale), out);
     }
   });
   return out;
@@ -280,7 +375,9 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor val
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU)");
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU), one or more queries per row",
+        pybind11::arg("q"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("block_table"),
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("query_starts") = pybind11::none());
   m.def("supported_head_dims", [] {
 #define PDSERVE_LIST(D) D,
     return std::vector<int64_t>{PDSERVE_HEAD_DIMS(PDSERVE_LIST)};
