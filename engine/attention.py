@@ -4,8 +4,8 @@ Per forward pass the ModelRunner builds one `AttentionMetadata` and passes it as
 argument of the model call; transformers forwards it untouched to every attention layer, which
 calls `paged_attention` with post-RoPE q/k/v for all scheduled tokens of all requests in one row:
   1. the new k/v land in the layer's pool tensors at `slot_mapping`,
-  2. decode tokens (one query each, packed first) attend to their context in one call of a
-     `paged_decode` kernel that reads K and V where they lie in the pool (on CPU the C++ kernel of
+  2. decode tokens (one query each, packed first, and speculative verifying rows: 1 + k queries each,
+     causal inside the row) attend to their context in one call of a `paged_decode` kernel that reads K and V where they lie in the pool (on CPU the C++ kernel of
      engine.kernels: no copy, each row reads only its own blocks),
   3. each prefill chunk attends causally to its prefix plus itself: a chunk with earlier context has
      its blocks gathered into a reused workspace (no fresh allocation, so no page faults) for one SDPA
@@ -65,7 +65,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor
     """[num_tokens] flat pool slot for each packed token."""
     num_decode_tokens: int
-    """The first `num_decode_tokens` packed tokens are single-token decodes."""
+    """The first `num_decode_tokens` packed tokens go through the decode kernel: single-token decodes and
+    verifying rows (a request's last token and its proposals, causal inside the row)."""
     decode: DecodeBatch | None
     prefills: list[PrefillChunk]
     workspace: Workspace
@@ -100,7 +101,8 @@ def paged_attention(
     out = query.new_empty(q.shape)
     if paged.decode is not None:
         d, nd = paged.decode, paged.num_decode_tokens
-        out[:nd] = d.kernel(q[:nd], paged.kv_cache.key_caches[layer], paged.kv_cache.value_caches[layer], d.block_table, d.context_lens, scaling)
+        out[:nd] = d.kernel(q[:nd], paged.kv_cache.key_caches[layer], paged.kv_cache.value_caches[layer], d.block_table, d.context_lens, scaling,
+                            query_starts=d.query_starts)
     for chunk in paged.prefills:
         s, e = chunk.query_start, chunk.query_start + chunk.num_tokens
         out[s:e] = _prefill_attention(q[s:e], new_k[s:e], new_v[s:e], chunk, paged, layer, scaling)

@@ -31,6 +31,8 @@ class DecodeBatch:
     context_lens: torch.Tensor
     """[B] int32 keys per row, the new token included."""
     kernel: Callable
+    query_starts: torch.Tensor | None = None
+    """[B + 1] int32 where each row's queries start when some row has several (verifying rows, CPU path); None: one each."""
 
 
 @dataclass

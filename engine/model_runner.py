@@ -1,7 +1,7 @@
 """Run one scheduled step through the model: packed inputs in, logits of sampling requests out.
 
-Lifecycle per step: `execute(batch)` orders the batch (single-token decodes first, then prefill
-chunks), builds token ids, positions and the slot mapping of every packed token, builds the
+Lifecycle per step: `execute(batch)` orders the batch (single-token decodes and speculative
+verifying rows first, then prefill chunks), builds token ids, positions and the slot mapping of every packed token, builds the
 `AttentionMetadata` (the decode rows' block tables and lengths for one `paged_decode` kernel call per
 layer, prefill chunks with their tables and masks: everything attention needs, once for all layers),
 runs the HF model once on the whole packed row with the paged attention function, and returns logits
@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+import numpy as np
 import torch
 
 from engine import attention, paged_decode
@@ -33,6 +34,11 @@ log = logging.getLogger(__name__)
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _decode_kernel_row(item: StepItem) -> bool:
+    """CPU path: single-token decodes and verifying rows (last token + proposals) attend through the decode kernel."""
+    return item.num_tokens == 1 or item.num_proposed > 0
 
 
 class ModelRunner:
@@ -84,9 +90,9 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        order = [i for i, s in enumerate(batch) if s.num_tokens == 1]
+        order = [i for i, s in enumerate(batch) if _decode_kernel_row(s)]
         num_decodes = len(order)
-        order += [i for i, s in enumerate(batch) if s.num_tokens > 1]
+        order += [i for i, s in enumerate(batch) if not _decode_kernel_row(s)]
         ordered = [batch[i] for i in order]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
         meta = self._metadata(ordered, num_decodes, slots, on_layer_written)
@@ -145,7 +151,7 @@ class ModelRunner:
         return AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
-            num_decode_tokens=num_decodes,
+            num_decode_tokens=sum(s.num_tokens for s in ordered[:num_decodes]),
             decode=self._decode_batch(ordered[:num_decodes]),
             prefills=prefills,
             workspace=self.workspace,
@@ -153,12 +159,19 @@ class ModelRunner:
         )
 
     def _decode_batch(self, decodes: list[StepItem]) -> DecodeBatch | None:
-        """The decode rows' block tables (as wide as the longest context) and lengths, for the decode kernel."""
+        """The decode rows' block tables (as wide as the longest context) and lengths, for the decode kernel;
+        with verifying rows (1 + k queries each) also where each row's queries start."""
         if not decodes:
             return None
-        width = max(_cdiv(s.start + 1, self.block_size) for s in decodes)
+        width = max(_cdiv(s.start + s.num_tokens, self.block_size) for s in decodes)
         rows = self._decode_rows(decodes, len(decodes), width)
-        return DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), paged_decode.KERNELS[self.decode_kernel])
+        kernel = paged_decode.KERNELS[self.decode_kernel]
+        counts = [s.num_tokens for s in decodes]
+        if max(counts) == 1:
+            return DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), kernel)
+        lens = np.array([s.start + s.num_tokens for s in decodes], dtype=np.int32)
+        starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+        return DecodeBatch(self._to_device(rows.block_table), self._to_device(lens), kernel, self._to_device(starts))
 
     def _reserve(self, num_blocks: int) -> None:
         need = num_blocks * self._block_numel

@@ -5,6 +5,10 @@ Inputs (all device tensors, fixed shapes, so a CUDA graph can capture the call):
   key/value      [blocks, bs, Hkv, D]    one layer of the pool
   block_table    [B, W] int              each row's blocks (padding rows/columns may hold any valid id)
   context_lens   [B] int                 keys each row attends to (>= 1)
+  query_starts   [B + 1] int, optional   rows with several queries (a request verifying proposed tokens):
+                                         q is then [T, H, D] and row b's queries are
+                                         q[query_starts[b] : query_starts[b + 1]], the last positions of
+                                         its context, each seeing the keys up to its own (causal)
 Three kernels compute the same thing:
   torch   gathers the rows' blocks (`index_select` through the padded table) and runs SDPA with a
           length mask; reads every row to the table's full width, so the caller sizes W to the batch.
@@ -14,6 +18,8 @@ Three kernels compute the same thing:
           nothing, so one table as wide as `max_model_len` serves every step (graphs).
   cpp     the CPU kernel of engine.kernels (built once per machine): one task per row walks the row's
           own blocks in place, K then V, each KV row read once for its G query heads.
+The cpp kernel takes several queries per row natively (each K/V row read once for all of them); torch
+and triton get `one_query_rows`: every query becomes a row of its own (its request's table, its own length).
 `TRITON_INTERPRET=1` runs the triton kernel on CPU (numpy), which is how it is tested without a GPU
 (tests/unit/test_engine_batched.py; with numpy 2 the interpreter needs `interpreter_loop_fix()` for a
 loop bounded by a loaded value). `triton.compile(..., target=GPUTarget("cuda", 90, 32))` builds it for
@@ -36,7 +42,19 @@ except ImportError:  # pragma: no cover - depends on the host
 TOKENS_PER_TILE = 32
 
 
-def decode_torch(q, key, value, block_table, context_lens, scale: float | None) -> torch.Tensor:
+def one_query_rows(block_table, context_lens, query_starts, num_queries: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The block table and lengths of the same attention as one query per row: query i of a row with n
+    queries and L keys becomes a row of L - n + 1 + i keys with the row's table. Device ops only."""
+    counts = (query_starts[1:] - query_starts[:-1]).long()
+    owner = torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts, output_size=num_queries)
+    offset = torch.arange(num_queries, device=counts.device) - query_starts[:-1].long()[owner]
+    lens = context_lens.long()[owner] - counts[owner] + 1 + offset
+    return block_table[owner], lens.to(context_lens.dtype)
+
+
+def decode_torch(q, key, value, block_table, context_lens, scale: float | None, query_starts=None) -> torch.Tensor:
+    if query_starts is not None:
+        block_table, context_lens = one_query_rows(block_table, context_lens, query_starts, q.shape[0])
     b, h, d = q.shape
     hkv, bs, width = key.shape[2], key.shape[1], block_table.shape[1]
     flat = block_table.reshape(-1).long()
@@ -86,9 +104,12 @@ if triton is not None:
         tl.store(O + row * stride_ob + heads[:, None] * stride_oh + offs_d[None, :], out.to(O.dtype.element_ty), mask=(offs_g < G)[:, None])
 
 
-def decode_triton(q, key, value, block_table, context_lens, scale: float | None, tile: int = TOKENS_PER_TILE, num_warps: int = 4) -> torch.Tensor:
+def decode_triton(q, key, value, block_table, context_lens, scale: float | None, tile: int = TOKENS_PER_TILE, num_warps: int = 4,
+                  query_starts=None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("the triton decode kernel needs the triton package")
+    if query_starts is not None:
+        block_table, context_lens = one_query_rows(block_table, context_lens, query_starts, q.shape[0])
     b, h, d = q.shape
     bs, hkv = key.shape[1], key.shape[2]
     if key.stride(3) != 1 or q.stride(2) != 1:
@@ -107,11 +128,11 @@ def decode_triton(q, key, value, block_table, context_lens, scale: float | None,
     return out
 
 
-def decode_cpp(q, key, value, block_table, context_lens, scale: float | None) -> torch.Tensor:
+def decode_cpp(q, key, value, block_table, context_lens, scale: float | None, query_starts=None) -> torch.Tensor:
     built = kernels.load()
     if built is None:
         raise RuntimeError(f"the C++ decode kernel is not built here: {kernels.unavailable_reason()}")
-    return built.paged_decode(q, key, value, block_table, context_lens, q.shape[2] ** -0.5 if scale is None else scale)
+    return built.paged_decode(q, key, value, block_table, context_lens, q.shape[2] ** -0.5 if scale is None else scale, query_starts)
 
 
 KERNELS = {"torch": decode_torch, "triton": decode_triton, "cpp": decode_cpp}

@@ -34,7 +34,7 @@ class StepCostModel:
     """Plain steps: mean step time per token count, interpolated between counts (extrapolated with the
     least-squares slope). Verifying steps cost that plus an overhead per verifying sequence, measured
     (on a CPU the first extra token of a step leaves the matrix-vector kernels, and each verifying
-    sequence takes the chunk attention path)."""
+    sequence is a multi-query row of the decode kernel)."""
 
     def __init__(self):
         self._means: OrderedDict[int, float] = OrderedDict()

@@ -69,3 +69,63 @@ def test_bad_shapes_are_refused_with_a_reason():
 def test_the_cpu_default_is_the_cpp_kernel_for_supported_head_sizes():
     assert default_kernel(torch.device("cpu"), 64) == "cpp"
     assert default_kernel(torch.device("cpu"), 72) == "torch"
+
+
+def _verifying_rows(dtype, index_dtype):
+    """Four rows with 6, 1, 6 and 3 queries (verifying rows and a plain decode), the queries the last
+    positions of each row's context; one row's context is shorter than a block."""
+    q, key, value, table, lens = _case(9, 3, 64, dtype, index_dtype, rows=4)
+    lens = torch.tensor([96, 40, 7, 50]).to(index_dtype)
+    counts = torch.tensor([6, 1, 6, 3])
+    starts = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)]).to(index_dtype)
+    q = torch.randn(int(counts.sum()), 9, 64, generator=torch.Generator().manual_seed(1)).to(dtype)
+    return q, key, value, table, lens, starts
+
+
+@pytest.mark.parametrize("index_dtype", [torch.int32, torch.int64])
+def test_rows_with_several_queries_are_causal_inside_the_row(index_dtype):
+    q, key, value, table, lens, starts = _verifying_rows(torch.float32, index_dtype)
+    got = decode_cpp(q, key, value, table, lens, None, query_starts=starts)
+    # the reference: every query a one-query row of its own length, through the torch gather kernel
+    tables, lengths = [], []
+    for row in range(4):
+        n = int(starts[row + 1] - starts[row])
+        for i in range(n):
+            tables.append(table[row])
+            lengths.append(int(lens[row]) - n + 1 + i)
+    expected = decode_torch(q, key, value, torch.stack(tables).long(), torch.tensor(lengths), None)
+    assert (got - expected).abs().max().item() < 2e-6
+    # bit for bit what the kernel gives each query as a row of its own
+    single = decode_cpp(q, key, value, torch.stack(tables).to(index_dtype), torch.tensor(lengths).to(index_dtype), None)
+    assert torch.equal(got, single)
+
+
+def test_torch_kernel_takes_the_same_rows():
+    q, key, value, table, lens, starts = _verifying_rows(torch.float32, torch.int64)
+    got = decode_torch(q, key, value, table, lens, None, query_starts=starts)
+    assert (got - decode_cpp(q, key, value, table, lens, None, query_starts=starts)).abs().max().item() < 2e-6
+
+
+def test_several_queries_in_bf16_are_computed_in_fp32():
+    q, key, value, table, lens, starts = _verifying_rows(torch.bfloat16, torch.int32)
+    exact = decode_torch(q.float(), key.float(), value.float(), table.long(), lens.long(), None, query_starts=starts.long())
+    got = decode_cpp(q, key, value, table, lens, None, query_starts=starts)
+    assert (got.float() - exact).abs().max().item() <= 2**-7
+    # bit for bit what each query gives as a row of its own (a verifying step decodes what plain steps would)
+    tables, lengths = [], []
+    for row in range(4):
+        n = int(starts[row + 1] - starts[row])
+        tables += [table[row]] * n
+        lengths += [int(lens[row]) - n + 1 + i for i in range(n)]
+    single = decode_cpp(q, key, value, torch.stack(tables), torch.tensor(lengths, dtype=torch.int32), None)
+    assert torch.equal(got, single)
+
+
+def test_bad_query_starts_are_refused():
+    q, key, value, table, lens, starts = _verifying_rows(torch.float32, torch.int64)
+    with pytest.raises(RuntimeError, match="rows \\+ 1"):
+        decode_cpp(q, key, value, table, lens, None, query_starts=starts[:-1])
+    too_many = starts.clone()
+    too_many[1:] += 100
+    with pytest.raises(RuntimeError, match="from 0 to T"):
+        decode_cpp(q, key, value, table, lens, None, query_starts=too_many)
