@@ -114,7 +114,9 @@ class WorkerActor:
 
         async def read() -> dict[str, Any]:
             stats = _stats_dict(await service.Stats(pb.StatsRequest(), None))
-            return {**stats, "in_flight": service.gate.in_flight}
+            engine = getattr(service, "engine", None)  # KV held for prompts still prefilling elsewhere: prefill pressure
+            waiting = (await engine.stats()).waiting_for_kv_blocks if engine is not None else 0
+            return {**stats, "in_flight": service.gate.in_flight, "waiting_for_kv_blocks": waiting}
 
         return self.server.call(read, timeout_s=10.0)
 

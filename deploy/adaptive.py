@@ -18,11 +18,21 @@ consecutive snapshots, and no sooner than its cooldown after the lane's last act
              when that pool stays below its thresholds with one worker fewer and both stay within
              [min_replicas, max_replicas]; only otherwise does the pool's autoscaler resize it.
 
+Decode headroom is its latency and KV, not its busy fraction: more prompts go to decode workers only while every
+decode pressure (ITL against its SLO, KV, running) stays below `DECODE_ROOM`, and a decode pool gives a worker only
+if its ITL, spread over the ones left, stays within the SLO. KV blocks a decode worker reserved for a request still
+waiting for its prompt's KV (`PoolSignals.kv_waiting`) are not decode load: they count as the prefill pool's pressure
+(`decode_kv_waiting`). A new worker is added only onto free cores (`Snapshot.free_cpus`, the controller's count of
+cores no worker or router holds): a worker on a machine whose cores are all held slows every other one. When
+disaggregation does not pay with the threshold at its max, a prefill worker becomes decode (the colocated shape);
+with no prefill worker, TTFT over its SLO is the prefill pool's (every prompt prefilled locally), so a decode worker
+that can be spared comes back as a prefill worker.
+
 Where the pressures come from: the prefill pool's TTFT and prefill_queue share are router-wide, so
 they count only for the share of requests that went through a prefill worker (`local_share` went
 local). The workers' busy fractions (engine step time per second, from the router's critical-path
-window) tell the policy who has time: a prefill pool that is pressed while decode workers have time
-(below `busy_high`) but no worker to spare raises the threshold (decode workers prefill more prompts);
+window) tell the policy whether the prefill pool has time: a prefill pool that is pressed while decode has room
+(below `DECODE_ROOM`, above) but no worker to spare raises the threshold (decode workers prefill more prompts);
 a pool whose workers are idle (below `idle_busy`) gives one to the other pool when that one is
 pressed (busy alone is no need: a decode engine steps whenever it has a stream); a pool gives a
 worker only if the ones left stay below `busy_high`. The verdict and the prefill pool's room meet in
@@ -45,6 +55,10 @@ if TYPE_CHECKING:
     from common.config import AutoscalerConfig, PoolsConfig
 
 ROLES = ("prefill", "decode")
+DECODE_ROOM = 0.8
+"""Decode has room for more local prefills while each of its pressures (ITL against its SLO, KV usage, running
+requests against their thresholds) stays below this: the engine's busy fraction says nothing (it steps whenever it
+has a stream), its latency against the SLO does."""
 WAITING_STAGE = {"prefill": "prefill_queue", "decode": "decode_admission"}
 
 
@@ -68,15 +82,19 @@ class Snapshot:
     absent: no step times from that pool."""
     local_share: float = 0.0
     """The share of the window's requests that prefilled on their decode worker (0..1)."""
+    free_cpus: float | None = None
+    """Cores the router and the workers do not hold (the controller's count); None: unknown, no limit."""
 
     @classmethod
-    def from_router(cls, now: float, prefill: PoolSignals, decode: PoolSignals, summary: dict, pool_busy: bool = False) -> Snapshot:
+    def from_router(cls, now: float, prefill: PoolSignals, decode: PoolSignals, summary: dict, pool_busy: bool = False,
+                    free_cpus: float | None = None) -> Snapshot:
         """`summary`: the router actor's summary() (its critical_path breakdown and local_prefill_threshold)."""
         cp = summary.get("critical_path") or {}
         verdict = cp.get("verdict") or {}
         return cls(now, prefill, decode, summary.get("local_prefill_threshold", 0), verdict.get("verdict", "no data"),
                    verdict.get("margin", 0.0), {s: f["share"] for s, f in (cp.get("stages") or {}).items()}, pool_busy,
-                   per_worker_busy(cp.get("busy") or {}), cp.get("local_prefill", 0) / cp["requests"] if cp.get("requests") else 0.0)
+                   per_worker_busy(cp.get("busy") or {}), cp.get("local_prefill", 0) / cp["requests"] if cp.get("requests") else 0.0,
+                   free_cpus)
 
     def signals(self, role: str) -> PoolSignals:
         return self.prefill if role == "prefill" else self.decode
@@ -179,8 +197,11 @@ class AdaptivePolicy:
         stage = WAITING_STAGE[role]
         p = {**self.scalers[role].pressure(s.signals(role)), stage: s.shares.get(stage, 0.0) / self.config.adaptive.queue_share}
         if role == "prefill":
-            for key in ("ttft", stage):
-                p[key] *= 1.0 - s.local_share
+            if s.prefill.replicas > 0:  # with no prefill worker every TTFT is a local prefill's: a prefill worker would take them
+                for key in ("ttft", stage):
+                    p[key] *= 1.0 - s.local_share
+            # decode KV reserved for prompts still waiting for their KV waits on the prefill pool
+            p["decode_kv_waiting"] = s.decode.kv_waiting / self.config.decode.kv_usage
         return p
 
     @staticmethod
@@ -195,14 +216,14 @@ class AdaptivePolicy:
             return Candidate(("threshold", "down"), f"decode pressed ({_hot(decode_hot)}): fewer local prefills, threshold {t} -> lower",
                              max(0, t - cfg.local_prefill_step))
         prefill_hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
-        decode_busy = s.busy.get("decode", 0.0)
+        decode_room = max(pressure["decode"].values(), default=0.0)
         pays = s.verdict == "pays" and s.margin >= cfg.verdict_margin
         saturated = s.busy.get("prefill", 0.0) >= cfg.busy_high  # the verdict weighs interference, not a queue that only grows
-        if (prefill_hot and t < cfg.local_prefill_max and decode_busy < cfg.busy_high and (saturated or not pays)
+        if (prefill_hot and s.prefill.replicas > 0 and t < cfg.local_prefill_max and decode_room < DECODE_ROOM and (saturated or not pays)
                 and not self._can_give("decode", s, pressure["decode"])):
             return Candidate(("threshold", "up"), f"prefill pressed ({_hot(prefill_hot)}, workers {s.busy.get('prefill', 0.0):.0%} busy), "
-                             f"decode workers have time ({decode_busy:.0%} busy) but none to spare: threshold {t} -> higher, decode "
-                             "workers prefill more prompts", min(cfg.local_prefill_max, t + cfg.local_prefill_step))
+                             f"decode within its SLO and KV (at most {decode_room:.2f}x) but no worker to spare: threshold {t} -> higher, "
+                             "decode workers prefill more prompts", min(cfg.local_prefill_max, t + cfg.local_prefill_step))
         prefill_time = not prefill_hot and s.busy.get("prefill", 0.0) < cfg.busy_high
         if pays and t > 0 and prefill_time:
             return Candidate(("threshold", "down"), f"disaggregation pays ({s.margin:+.1%}): threshold {t} -> lower, more prompts to the "
@@ -221,10 +242,22 @@ class AdaptivePolicy:
         idle = self._idle_gives(s, pressure)
         if idle is not None:
             return idle
+        cfg = self.config.adaptive
+        if (s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and s.local_prefill_threshold >= cfg.local_prefill_max
+                and self._fits("prefill", s.prefill.replicas - 1) and self._fits("decode", s.decode.replicas + 1)
+                and all(v <= 1.0 for v in pressure["prefill"].values()) and max(pressure["decode"].values(), default=0.0) < DECODE_ROOM):
+            # its prompts go local, as the verdict says they should: neither pool may be pressed already
+            return Candidate(("switch", "decode"), f"disaggregation does not pay ({s.margin:+.1%}) with the threshold at its max "
+                             f"({s.local_prefill_threshold}): a prefill worker becomes decode (colocated)", "decode")
         changes = [(role, s.signals(role).replicas, d) for role, d in decisions.items() if d and d.replicas != s.signals(role).replicas]
         if not changes:
             return None
         role, n, d = min(changes, key=lambda c: c[2].replicas < c[1])  # a pool that grows first
+        if d.replicas > n and not self._cores_for(role, d.replicas - n, s):
+            changes = [c for c in changes if c[2].replicas < c[1]]  # a shrink may still go ahead
+            if not changes:
+                return None
+            role, n, d = changes[0]
         return Candidate(("resize", role, d.replicas > n), f"{role} {n} -> {d.replicas} workers ({d.reason})", (role, d.replicas))
 
     def _idle_gives(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
@@ -248,9 +281,20 @@ class AdaptivePolicy:
         if n < 1 or not self._fits(role, n - 1):
             return False
         spread = n / (n - 1) if n > 1 else math.inf
-        if s.busy.get(role, 0.0) * spread >= self.config.adaptive.busy_high:
+        # a prefill engine's busy fraction is its load; a decode engine steps whenever it has a stream, so its
+        # room is its ITL against the SLO (spread over the workers left like a load) and its KV
+        if role == "prefill" and s.busy.get(role, 0.0) * spread >= self.config.adaptive.busy_high:
             return False
-        return all((v * spread if k in LOAD_SIGNALS else v) < 1.0 for k, v in pressure.items() if v > 0)
+        spreads = LOAD_SIGNALS + (("itl",) if role == "decode" else ())
+        return all((v * spread if k in spreads else v) < 1.0 for k, v in pressure.items() if v > 0)
+
+    def _cores_for(self, role: str, workers: int, s: Snapshot) -> bool:
+        """Whether `workers` more of `role` fit the free cores: a worker on cores that are all held would slow
+        every other one (on 2 cores 1P+2D is the worst shape); unknown free cores do not limit."""
+        if s.free_cpus is None:
+            return True
+        pool = getattr(self.pools, role)
+        return s.free_cpus >= workers * pool.num_cpus * pool.tensor_parallel_size
 
     def _fits(self, role: str, n: int) -> bool:
         pool = getattr(self.pools, role)

@@ -40,7 +40,10 @@ class PoolSignals:
     queued_prompt_tokens: int = 0
     running_requests: int = 0
     kv_usage: float = 0.0
-    """Used / total KV blocks over the pool's workers (0..1)."""
+    """Used / total KV blocks over the pool's workers (0..1), less the blocks reserved for requests still waiting
+    for their prompt's KV (`kv_waiting`): those wait on the prefill pool, a decode worker more would not help them."""
+    kv_waiting: float = 0.0
+    """KV blocks reserved for requests waiting for remote KV (prefill) / total KV blocks (0..1)."""
     ttft_s: float | None = None
     itl_s: float | None = None
 
@@ -49,11 +52,13 @@ class PoolSignals:
                    itl_s: float | None = None) -> PoolSignals:
         total = sum(s.get("total_kv_blocks", 0) for s in stats)
         free = sum(s.get("free_kv_blocks", 0) for s in stats)
+        waiting = sum(s.get("waiting_for_kv_blocks", 0) for s in stats)
         return cls(
             replicas=replicas,
             queued_prompt_tokens=sum(s.get("queued_prompt_tokens", 0) for s in stats),
             running_requests=sum(s.get("running_requests", 0) for s in stats),
-            kv_usage=(total - free) / total if total else 0.0,
+            kv_usage=max(0, total - free - waiting) / total if total else 0.0,
+            kv_waiting=waiting / total if total else 0.0,
             ttft_s=ttft_s,
             itl_s=itl_s,
         )

@@ -27,6 +27,7 @@ import asyncio
 import collections
 import itertools
 import logging
+import os
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -79,6 +80,7 @@ class Controller:
         self.router_info: dict = {}
         adaptive = config.autoscaler.adaptive.mode == "adaptive"
         self.policy = AdaptivePolicy(config.autoscaler, config.pools, time.monotonic()) if adaptive else None
+        self._cores: float | None = None
         self.pools = {role: Pool(role, getattr(config.pools, role), self.policy.scalers[role] if self.policy else
                                  PoolAutoscaler(role, config.autoscaler, getattr(config.pools, role))) for role in ROLES}
         self.events: collections.deque[dict] = collections.deque(maxlen=50)
@@ -343,7 +345,7 @@ class Controller:
         """One adaptive plan: threshold to the router now; a role switch or resize as a task (they take seconds)."""
         summary = await wait_ref(self.router.summary.remote(self.config.autoscaler.adaptive.window_s), 5.0)
         snapshot = Snapshot.from_router(time.monotonic(), self._signals(self.pools["prefill"]), self._signals(self.pools["decode"]),
-                                        summary, pool_busy)
+                                        summary, pool_busy, free_cpus=self._free_cpus())
         plan = self.policy.decide(snapshot)
         if not plan.acts:
             return
@@ -360,6 +362,20 @@ class Controller:
         if plan.resize is not None:
             role, n = plan.resize
             _spawn(self._scale_to(self.pools[role], n, f"controller: {reason}"))
+
+    def _free_cpus(self) -> float | None:
+        """Cores that the router and the workers do not hold: on one node its cores (the launcher sizes Ray's logical
+        CPUs for every pool's max_replicas, so Ray's free CPUs would not tell an oversubscribed machine), on several
+        the cluster's CPUs. None: unknown (no Ray cluster)."""
+        if self._cores is None:
+            try:
+                nodes = [n for n in ray.nodes() if n.get("Alive")]
+            except Exception:  # noqa: BLE001 -- no cluster (unit tests): unknown, the policy does not limit on it
+                return None
+            self._cores = len(os.sched_getaffinity(0)) if len(nodes) == 1 else sum(n["Resources"].get("CPU", 0.0) for n in nodes)
+        held = self.config.router.num_cpus + sum(len(pool.active()) * cfg.num_cpus * cfg.tensor_parallel_size
+                                                 for pool, cfg in ((self.pools[r], getattr(self.config.pools, r)) for r in ROLES))
+        return self._cores - held
 
     def _signals(self, pool: Pool) -> PoolSignals:
         ready = pool.ready()

@@ -83,6 +83,8 @@ class EngineStats:
     """Cumulative prompt tokens run through the model (prefix-cache hits and received KV excluded)."""
     generation_tokens: int
     """Cumulative tokens sampled (a prefill worker's first tokens included)."""
+    waiting_for_kv_blocks: int = 0
+    """KV blocks reserved for requests waiting for their prompt's KV from a prefill worker (held, no stream yet)."""
     spec_proposed_tokens: int = 0
     """Speculative decoding: proposed tokens verified, those accepted, and steps that verified any."""
     spec_accepted_tokens: int = 0
@@ -276,6 +278,7 @@ class Engine:
             num_running=len(self.scheduler.running),
             num_waiting_for_kv=sum(1 for s in self._requests.values() if s.state is RequestState.WAITING_FOR_REMOTE_KV),
             num_held=sum(1 for s in self._requests.values() if s.state is RequestState.FINISHED_PREFILLED),
+            waiting_for_kv_blocks=sum(len(s.block_ids) for s in self._requests.values() if s.state is RequestState.WAITING_FOR_REMOTE_KV),
             queued_prompt_tokens=sum(s.num_uncomputed_tokens for s in waiting),
             free_blocks=self.blocks.num_free_blocks,
             total_blocks=self.blocks.num_blocks,

@@ -106,7 +106,7 @@ CONFIGS = {
 FIXED = ("colocated", "1p1d", "1p2d")
 
 ADAPTIVE = {"hold_intervals": 2, "action_cooldown_s": 20, "threshold_cooldown_s": 8, "local_prefill_step": 512,
-            "local_prefill_max": 1024, "window_s": 10}
+            "local_prefill_max": 1024, "window_s": 6}
 """The adaptive run's controller settings: a decision every 2 s interval x 2 holds at the soonest."""
 
 WORKER_ENV = {"RAY_worker_niceness": "0"}

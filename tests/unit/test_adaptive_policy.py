@@ -229,10 +229,11 @@ def test_a_pressed_prefill_pool_with_no_worker_to_spare_sends_prompts_to_decode_
     pol = policy()
     plans = run(pol, [saturated_prefill(START + i * STEP) for i in range(3)])
     assert [p.local_prefill_threshold for p in plans] == [None, None, 128]
-    assert "workers 100% busy), decode workers have time (20% busy) but none to spare" in plans[-1].reasons[0]
+    assert "workers 100% busy), decode within its SLO and KV (at most 0.30x) but no worker to spare" in plans[-1].reasons[0]
     assert all(p.switch_to is None for p in plans), "decode is at min_replicas: it cannot give its worker"
-    busy = run(policy(), [saturated_prefill(START + i * STEP, decode_busy=0.9) for i in range(4)])
-    assert all(p.local_prefill_threshold is None for p in busy), "a decode worker with no time takes no prompts"
+    near_slo = [dataclasses.replace(saturated_prefill(START + i * STEP), decode=PoolSignals(1, running_requests=2, kv_usage=0.1, itl_s=0.09))
+                for i in range(4)]
+    assert all(p.local_prefill_threshold is None for p in run(policy(), near_slo)), "a decode pool near its ITL SLO takes no prompts"
     pays = [dataclasses.replace(saturated_prefill(START + i * STEP), verdict="pays", margin=0.1, busy={"prefill": 0.6, "decode": 0.2})
             for i in range(4)]
     assert all(p.local_prefill_threshold is None for p in run(policy(), pays)), "the split pays: local prefills would stretch decode"
@@ -260,9 +261,10 @@ def test_a_ttft_breach_of_local_prefills_is_not_the_prefill_pools():
 
 
 def test_a_pool_whose_workers_lack_time_does_not_give_one():
-    snaps = [dataclasses.replace(prompt_heavy(START + i * STEP, p=1, d=2), busy={"prefill": 1.0, "decode": 0.5}) for i in range(3)]
+    snaps = [dataclasses.replace(prompt_heavy(START + i * STEP, p=1, d=2), busy={"prefill": 1.0, "decode": 0.5},
+                                 decode=PoolSignals(2, running_requests=2, kv_usage=0.1, itl_s=0.06)) for i in range(3)]
     plans = run(policy(), snaps)
-    assert plans[-1].switch_to is None, "two decode workers 50% busy would leave one 100% busy"
+    assert plans[-1].switch_to is None, "two decode workers at 0.6x their ITL SLO would leave one at 1.2x"
     assert plans[-1].resize == ("prefill", 3)
 
 
@@ -282,3 +284,63 @@ def test_a_pays_verdict_sends_no_prompts_back_to_a_prefill_pool_without_time():
 
     assert run(policy(), [snap(START + i * STEP, 0.95) for i in range(4)])[-1].local_prefill_threshold is None
     assert [p.local_prefill_threshold for p in run(policy(), [snap(START + i * STEP, 0.4) for i in range(3)])] == [None, None, 384]
+
+
+# ---- decode headroom by latency, KV waiting on prefill, free cores, converging to colocated --------
+def test_a_busy_decode_engine_within_its_slo_takes_prompts_from_a_saturated_prefill_pool():
+    """A decode engine steps whenever it has a stream: 89% busy says nothing; its ITL at 0.3x its SLO says it has room."""
+    plans = run(policy(), [saturated_prefill(START + i * STEP, decode_busy=0.89) for i in range(3)])
+    assert [p.local_prefill_threshold for p in plans] == [None, None, 128]
+
+
+def test_kv_reserved_for_requests_waiting_on_prefill_is_prefill_pressure_not_decode():
+    stats = [{"total_kv_blocks": 100, "free_kv_blocks": 10, "waiting_for_kv_blocks": 70}]
+    decode = PoolSignals.from_stats(1, stats, itl_s=0.03)
+    assert decode.kv_usage == pytest.approx(0.2) and decode.kv_waiting == pytest.approx(0.7)
+    s = Snapshot(START, PoolSignals(1, queued_prompt_tokens=500, ttft_s=0.5), decode, busy={"prefill": 0.7, "decode": 0.9})
+    pol = policy(PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=1, max_replicas=2),
+                             decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=2)))
+    assert pol.pressure("decode", s)["kv_usage"] == pytest.approx(0.25)
+    assert pol.pressure("prefill", s)["decode_kv_waiting"] == pytest.approx(0.7 / 0.8)
+    plans = run(pol, [dataclasses.replace(s, now=START + i * STEP) for i in range(4)])
+    assert all(p.resize != ("decode", 2) for p in plans), "a decode worker more would not prefill the waiting prompts"
+    full = dataclasses.replace(s, decode=PoolSignals.from_stats(1, [{**stats[0], "free_kv_blocks": 0, "waiting_for_kv_blocks": 90}]))
+    assert {"decode_kv_waiting"} <= set(k for k, v in pol.pressure("prefill", full).items() if v > 1.0)
+
+
+def test_no_worker_is_added_onto_cores_that_are_all_held():
+    pools = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=1, max_replicas=1), decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=2))
+    def hot(now: float, free_cpus) -> Snapshot:
+        return Snapshot(now, PoolSignals(1), PoolSignals(1, running_requests=30, kv_usage=0.3, itl_s=0.3), free_cpus=free_cpus)
+    assert run(policy(pools), [hot(START + i * STEP, 1.0) for i in range(3)])[-1].resize == ("decode", 2)
+    held = run(policy(pools), [hot(START + i * STEP, -0.25) for i in range(4)])
+    assert all(p.resize is None for p in held), "every core is held: a third worker would slow the other two"
+    assert all(p.resize is None for p in run(policy(pools), [hot(START + i * STEP, 0.5) for i in range(4)])), "half a core is no worker's"
+
+
+def test_does_not_pay_at_the_max_threshold_switches_the_prefill_worker_to_decode():
+    pools = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=2))
+    def snap(now: float, threshold: int) -> Snapshot:
+        return Snapshot(now, PoolSignals(1, ttft_s=0.3), PoolSignals(1, running_requests=3, kv_usage=0.2, itl_s=0.03),
+                        local_prefill_threshold=threshold, verdict="does not pay", margin=-0.3, busy={"prefill": 0.5, "decode": 0.9},
+                        local_share=0.6, free_cpus=-0.25)
+    plans = run(policy(pools), [snap(START + i * STEP, 512) for i in range(3)])
+    assert [p.switch_to for p in plans] == [None, None, "decode"] and "(colocated)" in plans[-1].reasons[-1]
+    below = run(policy(pools), [snap(START + i * STEP, 384) for i in range(4)])
+    assert all(p.switch_to is None for p in below), "below the max the threshold rises first"
+    assert [p.local_prefill_threshold for p in below][:3] == [None, None, 512]
+    kept = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=1, max_replicas=1), decode=pools.decode)
+    assert all(p.switch_to is None for p in run(policy(kept), [snap(START + i * STEP, 512) for i in range(4)])), "min_replicas holds"
+
+
+def test_with_no_prefill_worker_a_ttft_breach_brings_one_back_from_a_decode_worker_to_spare():
+    pools = PoolsConfig(prefill=PoolConfig(replicas=0, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=2, min_replicas=1, max_replicas=2))
+    def snap(now: float, itl_s: float) -> Snapshot:
+        return Snapshot(now, PoolSignals(0, ttft_s=2.5), PoolSignals(2, running_requests=4, kv_usage=0.2, itl_s=itl_s),
+                        local_prefill_threshold=1024, verdict="no data", busy={"decode": 0.9}, local_share=1.0, free_cpus=-0.25)
+    assert policy(pools).pressure("prefill", snap(START, 0.03))["ttft"] == pytest.approx(2.5), "every TTFT is a local prefill's"
+    plans = run(policy(pools), [snap(START + i * STEP, 0.03) for i in range(3)])
+    assert [p.switch_to for p in plans] == [None, None, "prefill"] and all(p.resize is None for p in plans)
+    assert all(p.local_prefill_threshold is None for p in plans), "no prefill worker: the threshold is not the lever"
+    assert all(p.switch_to is None for p in run(policy(pools), [snap(START + i * STEP, 0.06) for i in range(4)])), \
+        "one decode worker would break the ITL SLO (0.6x over two, 1.2x over one)"
