@@ -511,12 +511,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 def write_doc(section: str) -> None:
     """Replaces the generated block in docs/benchmarks.md (appends it, the first time)."""
-    text = DOC.read_text()
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    common.replace_doc_block(DOC, BEGIN, END, section)
 
 
 # ---- CLI ---------------------------------------------------------------------------------------

@@ -123,3 +123,13 @@ def _git_commit() -> str | None:
         return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):
         return None
+
+
+def replace_doc_block(doc: Path, begin: str, end: str, section: str) -> None:
+    """Replace the generated block between `begin` and `end` in `doc` with `section` (appended, the first time)."""
+    text = doc.read_text()
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + section + text[text.index(end) + len(end):]
+    else:
+        text = text.rstrip("\n") + "\n\n" + section + "\n"
+    doc.write_text(text)

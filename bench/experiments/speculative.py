@@ -147,12 +147,7 @@ def markdown(report: dict[str, Any]) -> str:
 
 
 def write_doc(section: str) -> None:
-    text = DOC.read_text()
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + section + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section + "\n"
-    DOC.write_text(text)
+    common.replace_doc_block(DOC, BEGIN, END, section)
 
 
 def main(argv: list[str] | None = None) -> int:
