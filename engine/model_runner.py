@@ -4,7 +4,8 @@ Lifecycle per step: `execute(batch)` orders the batch (single-token decodes and 
 verifying rows first, then prefill chunks), builds token ids, positions and the slot mapping of every packed token, builds the
 `AttentionMetadata` (the decode rows' block tables and lengths for one `paged_decode` kernel call per
 layer, prefill chunks with their tables and masks: everything attention needs, once for all layers),
-runs the HF model once on the whole packed row with the paged attention function, and returns logits
+runs the HF model once on the whole packed row with the paged attention function (on a CPU its linear
+layers take the small-matmul kernel for inputs of few rows: engine.small_matmul), and returns logits
 only for the requests whose last known token was computed. Batch bookkeeping is plain Python on ints,
 turned into a few tensors at the end; the prefill gather workspace is kept across steps. The decode
 kernel is `paged_decode.default_kernel`: the C++ kernel on CPU (built once per machine), triton on CUDA.
@@ -23,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, paged_decode
+from engine import attention, paged_decode, small_matmul
 from engine.attention import AttentionMetadata, PrefillChunk, Workspace
 from engine.attention_batched import BatchedMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
@@ -66,6 +67,8 @@ class ModelRunner:
         self.fallback_reason: str | None = None
         """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
+        self.few_rows = small_matmul.install(model) if self.device.type == "cpu" else 0
+        """Linear layers on inputs of at most this many rows use the small-matmul kernel (engine.small_matmul)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
         except Exception as exc:  # a kernel that does not compile or a graph that does not capture here

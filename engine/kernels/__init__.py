@@ -1,12 +1,14 @@
 """pdserve's C++ CPU kernels: built once per machine, loaded by the engine.
 
-Lifecycle: `load()` compiles `paged_attention.cpp` with the host's compiler for the host's CPU
-(`-march=native`) into `~/.cache/pdserve/kernels/<key>/` the first time it is called on a machine (the
-setup step calls `pdserve kernels build`, so serving never waits for a compile), then imports the built
-module; later calls and later processes reuse it. The key covers the source, torch's version and the
-CPU's model and flags, so a cache shared between different machines never loads a foreign build.
-When no compiler is there, `load()` returns None and `unavailable_reason()` says why; the engine then
-decodes with the torch gather kernel (engine.paged_decode) and logs that reason.
+Lifecycle: `load()` compiles this folder's sources (`paged_attention.cpp`: decode attention over the
+paged pool; `small_matmul.cpp`: linear layers on inputs of few rows; `bindings.cpp`: the module) with
+the host's compiler for the host's CPU (`-march=native`) into `~/.cache/pdserve/kernels/<key>/` the
+first time it is called on a machine (the setup step runs `python -m engine.kernels`, so serving never
+waits for a compile), then imports the built module; later calls and later processes reuse it. The key
+covers the sources, torch's version and the CPU's model and flags, so a cache shared between different
+machines never loads a foreign build. When no compiler is there, `load()` returns None and
+`unavailable_reason()` says why; the engine then decodes with the torch gather kernel
+(engine.paged_decode) and runs every linear layer through torch, and logs that reason.
 """
 
 from __future__ import annotations
@@ -23,7 +25,9 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("paged_attention.cpp")
+FOLDER = Path(__file__).parent
+SOURCES = ("paged_attention.cpp", "small_matmul.cpp", "bindings.cpp")
+HEADERS = ("kernels.h", "vector.h")
 CACHE_ROOT = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
 
@@ -41,9 +45,16 @@ def _cpu_signature() -> str:
 
 def build_key() -> str:
     digest = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode(), b"source copied"):
+    texts = [(FOLDER / name).read_bytes() for name in SOURCES + HEADERS]
+    for part in (*texts, torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode(), b"source copied"):
         digest.update(part)
     return digest.hexdigest()[:16]
+
+
+def build_directory() -> Path:
+    """Where this machine's build of the current sources lives (also what is measured about it, by
+    engine.small_matmul)."""
+    return CACHE_ROOT / build_key()
 
 
 @functools.cache
@@ -54,27 +65,32 @@ def load() -> ModuleType | None:
 
     _put_ninja_on_path()
     key = build_key()
-    directory = CACHE_ROOT / key
+    directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
-    # Compiled from a copy inside the build directory: the build then does not depend on where this
-    # checkout lives, so every checkout with the same source shares it instead of rebuilding it.
-    source = directory / SOURCE.name
-    if not source.exists() or source.read_bytes() != SOURCE.read_bytes():
-        staged = directory / f"{SOURCE.name}.{os.getpid()}"
-        staged.write_bytes(SOURCE.read_bytes())
-        os.replace(staged, source)  # atomic: a process compiling meanwhile never sees half a file
+    # Compiled from copies inside the build directory: the build then does not depend on where this
+    # checkout lives, so every checkout with the same sources shares it instead of rebuilding it.
+    for name in SOURCES + HEADERS:
+        _stage(FOLDER / name, directory / name)
     try:
         return cpp_extension.load(
             name=f"pdserve_paged_{key}",
-            sources=[str(source)],
+            sources=[str(directory / name) for name in SOURCES],
             extra_cflags=FLAGS,
             build_directory=str(directory),
             verbose=False,
         )
-    except Exception as exc:  # no compiler, no ninja, a compile error: the torch kernel still works
+    except Exception as exc:  # no compiler, no ninja, a compile error: the torch paths still work
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
-        log.warning("pdserve's C++ kernels could not be built, decode attention uses the torch gather: %s", _failure)
+        log.warning("pdserve's C++ kernels could not be built, decode attention and linear layers use torch's: %s", _failure)
         return None
+
+
+def _stage(source: Path, copy: Path) -> None:
+    if copy.exists() and copy.read_bytes() == source.read_bytes():
+        return
+    staged = copy.with_name(f"{copy.name}.{os.getpid()}")
+    staged.write_bytes(source.read_bytes())
+    os.replace(staged, copy)  # atomic: a process compiling meanwhile never sees half a file
 
 
 def _put_ninja_on_path() -> None:

@@ -18,7 +18,9 @@
 // queries are q[query_starts[b] : query_starts[b + 1]]; without it T = B, one query per row); returns
 // [T, H, D] in q's dtype.
 
-#include <torch/extension.h>
+#include "kernels.h"
+#include "vector.h"
+
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
@@ -30,31 +32,8 @@
 #include <type_traits>
 #include <vector>
 
+namespace pdserve {
 namespace {
-
-inline float as_float(float x) { return x; }
-inline float as_float(at::Half x) { return static_cast<float>(x); }
-inline float as_float(at::BFloat16 x) {  // bf16 is the top half of an fp32: a shift the compiler vectorizes
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
-
-// x rounded to scalar_t and back (for bf16: round to nearest even on the bits, which the compiler vectorizes;
-// x is finite here).
-template <typename scalar_t>
-inline float round_to(float x) { return as_float(static_cast<scalar_t>(x)); }
-template <>
-inline float round_to<float>(float x) { return x; }
-template <>
-inline float round_to<at::BFloat16>(float x) {
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
-  std::memcpy(&x, &bits, sizeof x);
-  return x;
-}
 
 template <int D, typename scalar_t>
 inline void load_row(const scalar_t* src, float* dst) {
@@ -83,33 +62,8 @@ inline float exp_nonpositive(float x) {
   return p * scale;
 }
 
-// 16 fp32 lanes in GCC's vector extension: AVX-512 registers where the CPU has them, pairs of AVX2 ones
-// elsewhere (-march=native picks).
-typedef float v16 __attribute__((vector_size(64)));
-typedef int32_t lanes16 __attribute__((vector_size(64)));
-constexpr int kLanes = 16;
-
-// One step of a transposing horizontal sum: lanes of `a` and `b` in chunks of `Width` are paired and
-// added, so that after widths 1, 2, 4, 8 the sums of 16 vectors sit in one vector, vector t in lane t.
-template <int Width>
-inline v16 pair_sum(v16 a, v16 b) {
-  lanes16 first, second;
-  for (int lane = 0; lane < kLanes; ++lane) {
-    const int chunk = lane / (2 * Width), offset = lane % (2 * Width);
-    const int source = (offset < Width ? 0 : kLanes) + chunk * 2 * Width + offset % Width;
-    first[lane] = source;
-    second[lane] = source + Width;
-  }
-  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
-}
-
-// lane t of the result = the sum of the lanes of partial[t] (16 vectors, unused ones zero).
-inline v16 transpose_sum(v16* partial) {
-  for (int i = 0; i < 8; ++i) partial[i] = pair_sum<1>(partial[2 * i], partial[2 * i + 1]);
-  for (int i = 0; i < 4; ++i) partial[i] = pair_sum<2>(partial[2 * i], partial[2 * i + 1]);
-  for (int i = 0; i < 2; ++i) partial[i] = pair_sum<4>(partial[2 * i], partial[2 * i + 1]);
-  return pair_sum<8>(partial[0], partial[1]);
-}
+// Pool blocks requested ahead of the one being read: enough reads in flight to stream the pool.
+constexpr int64_t kPrefetchBlocks = 2;
 
 // Head sizes the kernel is compiled for (multiples of 16 lanes); `supported_head_dims()` lists them.
 #define PDSERVE_HEAD_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(128) X(256)
@@ -135,15 +89,28 @@ inline void token_offsets(const index_t* table, int64_t length, const Geometry& 
   }
 }
 
-// Ask for block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
+// Ask for part `part` of `parts` of block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
 // a row's blocks are scattered over the pool, which the hardware prefetchers cannot guess.
+template <typename scalar_t, typename index_t>
+inline void prefetch_part(const scalar_t* pool, const index_t* table, int64_t index, int64_t num_blocks, const Geometry& g,
+                          int64_t part, int64_t parts) {
+  if (index >= num_blocks) return;
+  const char* start = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[index]) * g.k_block);
+  const int64_t lines = (g.block_size * g.k_token * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
+  const int64_t per_part = (lines + parts - 1) / parts;
+  for (int64_t line = part * per_part; line < std::min(lines, (part + 1) * per_part); ++line) __builtin_prefetch(start + line * 64);
+}
+
 template <typename scalar_t, typename index_t>
 inline void prefetch_block(const scalar_t* pool, const index_t* table, int64_t index, int64_t num_blocks,
                            const Geometry& g) {
-  if (index >= num_blocks) return;
-  const char* start = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[index]) * g.k_block);
-  const int64_t bytes = g.block_size * g.k_token * static_cast<int64_t>(sizeof(scalar_t));
-  for (int64_t offset = 0; offset < bytes; offset += 64) __builtin_prefetch(start + offset);
+  prefetch_part(pool, table, index, num_blocks, g, 0, 1);
+}
+
+template <typename scalar_t, typename index_t>
+inline void prefetch_first_blocks(const scalar_t* pool, const index_t* table, int64_t length, const Geometry& g) {
+  const int64_t num_blocks = (length + g.block_size - 1) / g.block_size;
+  for (int64_t index = 0; index < kPrefetchBlocks; ++index) prefetch_block(pool, table, index, num_blocks, g);
 }
 
 template <typename scalar_t, typename index_t>
@@ -161,55 +128,72 @@ inline int64_t pair_head(int64_t j, int64_t kvh, const Geometry& g) {
   return j / group * g.heads + kvh * group + j % group;
 }
 
+// f(std::integral_constant<int, count>{}) for a count in [1, N]: lets a block of `count` heads be a compile-time
+// size, so that its accumulators live in registers.
+template <int N, typename F>
+inline void with_count(int64_t count, F&& f) {
+  if constexpr (N > 1) {
+    if (count < N) return with_count<N - 1>(count, f);
+  }
+  f(std::integral_constant<int, N>{});
+}
+
 // scores[(i * H + h) * length + t] = q_{i,h} . K_t for every (scaled) query head h of every query i and
-// every key t of the row, 16 keys at a time: the 16 keys' rows of a KV head are converted once, then
-// kScoreHeads query heads at a time (their queries held in registers) take one vertical multiply-add per
-// 16 dims and key, and one transposing sum per 16 keys.
+// every key t of the row, kLanes keys at a time: the keys' rows of a KV head are converted once into a tile,
+// then kScoreHeads query heads at a time (their queries held in half the registers) take one vertical
+// multiply-add per kLanes dims and key, and one transposing sum per kLanes keys.
 template <int D>
-constexpr int kScoreHeads = std::max(1, std::min(4, 16 / (D / kLanes)));
+constexpr int kScoreHeads = std::max(1, std::min(4, kVectorRegisters / 2 / (D / kLanes)));
+
+template <int D, int N>
+inline void score_tile(const vf (&tile)[kLanes][D / kLanes], const float* qf, const int64_t* heads, int64_t length,
+                       int64_t first, int64_t n, float* scores) {
+  constexpr int chunks = D / kLanes;
+  vf qr[N][chunks];
+  for (int j = 0; j < N; ++j) load_vectors<chunks>(qf + heads[j] * D, qr[j]);
+  vf partial[N][kLanes];
+  for (int t = 0; t < kLanes; ++t) {
+    for (int j = 0; j < N; ++j) {
+      vf sum = qr[j][0] * tile[t][0];
+      for (int c = 1; c < chunks; ++c) sum += qr[j][c] * tile[t][c];
+      partial[j][t] = sum;
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    const vf total = transpose_sum(partial[j]);
+    float* out = scores + heads[j] * length + first;
+    if (n == kLanes) {
+      std::memcpy(out, &total, sizeof total);
+    } else {
+      for (int64_t t = 0; t < n; ++t) out[t] = total[t];
+    }
+  }
+}
 
 template <int D, typename scalar_t, typename index_t>
 void score_keys(const float* qf, int64_t queries, const scalar_t* key, const index_t* table, const int64_t* offsets,
                 int64_t length, const Geometry& g, float* scores) {
   constexpr int chunks = D / kLanes, block = kScoreHeads<D>;
   const int64_t pairs = queries * (g.heads / g.kv_heads), num_blocks = (length + g.block_size - 1) / g.block_size;
-  alignas(64) float tile[kLanes][D];
-  v16 partial[block][kLanes];
+  vf tile[kLanes][chunks];
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
-    for (int64_t t = 0; t < n; ++t)
-      if ((first + t) % g.block_size == 0) prefetch_block(key, table, (first + t) / g.block_size + 1, num_blocks, g);
+    const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+      prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
+                    tiles_per_block * g.kv_heads);
       for (int64_t t = 0; t < kLanes; ++t) {
         if (t < n) {
-          load_row<D>(key + offsets[first + t] + kvh * g.k_head, tile[t]);
+          load_vectors<chunks>(key + offsets[first + t] + kvh * g.k_head, tile[t]);
         } else {
-          std::memset(tile[t], 0, sizeof tile[t]);
+          for (auto& chunk : tile[t]) chunk = vf{};
         }
       }
       for (int64_t p0 = 0; p0 < pairs; p0 += block) {
-        const int64_t count = std::min<int64_t>(block, pairs - p0);
         int64_t heads[block];
-        v16 qr[block][chunks];
-        for (int j = 0; j < block; ++j) {  // a short last block repeats its first pair (computed, not stored)
-          heads[j] = pair_head(p0 + (j < count ? j : 0), kvh, g);
-          std::memcpy(qr[j], qf + heads[j] * D, sizeof qr[j]);
-        }
-        for (int64_t t = 0; t < kLanes; ++t) {
-          v16 k[chunks];
-          std::memcpy(k, tile[t], sizeof k);
-          for (int j = 0; j < block; ++j) {
-            v16 sum = {};
-            for (int c = 0; c < chunks; ++c) sum += qr[j][c] * k[c];
-            partial[j][t] = sum;
-          }
-        }
-        for (int64_t j = 0; j < count; ++j) {
-          alignas(64) float out[kLanes];
-          const v16 total = transpose_sum(partial[j]);
-          std::memcpy(out, &total, sizeof out);
-          std::memcpy(scores + heads[j] * length + first, out, n * sizeof(float));
-        }
+        const int64_t count = std::min<int64_t>(block, pairs - p0);
+        for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(p0 + j, kvh, g);
+        with_count<block>(count, [&](auto size) { score_tile<D, decltype(size)::value>(tile, qf, heads, length, first, n, scores); });
       }
     }
   }
@@ -217,11 +201,11 @@ void score_keys(const float* qf, int64_t queries, const scalar_t* key, const ind
 
 // The largest of s[0 .. n), 16 lanes at a time (a scalar max is one dependent instruction per score).
 inline float max_of(const float* s, int64_t n) {
-  v16 lanes;
+  vf lanes;
   for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<float>::infinity();
   int64_t t = 0;
   for (; t + kLanes <= n; t += kLanes) {
-    v16 x;
+    vf x;
     std::memcpy(&x, s + t, sizeof x);
     lanes = x > lanes ? x : lanes;
   }
@@ -229,6 +213,23 @@ inline float max_of(const float* s, int64_t n) {
   for (int l = 0; l < kLanes; ++l) top = std::max(top, lanes[l]);
   for (; t < n; ++t) top = std::max(top, s[t]);
   return top;
+}
+
+// exp_nonpositive on kLanes lanes at once, the same operations lane by lane (so the same results).
+inline vf exp_nonpositive(vf x) {
+  const vf lowest = vf{} - 87.f, shifter = vf{} + 12582912.f;  // adding 1.5 * 2^23 rounds to an integer (nearest even)
+  x = x > lowest ? x : lowest;
+  const vf t = x * 1.4426950408889634f;
+  const vf n = (t + shifter) - shifter;
+  const vf f = t - n;
+  vf p = vf{} + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
 // In place: each query head's scores over the keys it sees become exp(score - max), rounded to the pool's
@@ -242,9 +243,16 @@ inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t 
     for (int64_t h = i * heads; h < (i + 1) * heads; ++h) {
       float* s = scores + h * length;
       const float top = max_of(s, visible);
+      vf sums = {};
+      int64_t t = 0;
+      for (; t + kLanes <= visible; t += kLanes) {
+        const vf e = exp_nonpositive(*reinterpret_cast<const vf_unaligned*>(s + t) - top);
+        sums += e;
+        *reinterpret_cast<vf_unaligned*>(s + t) = round_to<scalar_t>(e);
+      }
       float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-      for (int64_t t = 0; t < visible; ++t) {
+      for (int lane = 0; lane < kLanes; ++lane) sum += sums[lane];
+      for (; t < visible; ++t) {
         const float e = exp_nonpositive(s[t] - top);
         sum += e;
         s[t] = round_to<scalar_t>(e);
@@ -255,36 +263,54 @@ inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t 
   }
 }
 
-// acc[i * H + h] = sum_t weights[(i * H + h) * length + t] * V_t. Per KV head, up to kValueHeads of the
-// (query, head) pairs that share it accumulate in registers while the row's V rows of that head stream by
-// (the row's blocks stay in L2 between the passes), as far as the last of those queries sees.
+// acc[i * H + h] = sum_t weights[(i * H + h) * length + t] * V_t, one pool block of V at a time (each
+// block one contiguous run of bytes, requested kPrefetchBlocks ahead): per KV head, up to kValueHeads of
+// the (query, head) pairs that share it accumulate a slice of kValueSlice * kLanes dims in registers
+// while the block's V rows of that head stream by, as far as the last of those queries sees; the
+// accumulators go back to `acc` (L1) between blocks.
+constexpr int largest_divisor_up_to(int n, int most) { return n % most == 0 ? most : largest_divisor_up_to(n, most - 1); }
 template <int D>
-constexpr int kValueHeads = std::max(1, std::min(8, 24 / (D / kLanes)));
+constexpr int kValueSlice = largest_divisor_up_to(D / kLanes, 4);
+template <int D>
+constexpr int kValueHeads = std::max(1, std::min(8, (kVectorRegisters - 1 - kValueSlice<D>) / kValueSlice<D>));
 
-template <int D, typename scalar_t>
-void weigh_values(const float* weights, int64_t queries, const scalar_t* value, const int64_t* offsets, int64_t length,
-                  const Geometry& g, float* acc) {
-  constexpr int chunks = D / kLanes, block = kValueHeads<D>;
-  const int64_t group = g.heads / g.kv_heads, pairs = queries * group;
-  alignas(64) float row[D];
-  for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-    for (int64_t first = 0; first < pairs; first += block) {
-      const int64_t count = std::min<int64_t>(block, pairs - first);
-      int64_t heads[block];
-      for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
-      const int64_t visible = visible_keys(length, queries, (first + count - 1) / group);
-      v16 sums[block][chunks] = {};
-      for (int64_t pos = 0; pos < visible; ++pos) {
-        load_row<D>(value + offsets[pos] + kvh * g.k_head, row);
-        v16 v[chunks];
-        std::memcpy(v, row, sizeof row);
-        for (int j = 0; j < block; ++j) {
-          if (j >= count) break;
-          const float p = weights[heads[j] * length + pos];
-          for (int c = 0; c < chunks; ++c) sums[j][c] += p * v[c];
+// One slice of dims for N (query, head) pairs over the V rows [begin, end) of one KV head.
+template <int D, int N, int S, typename scalar_t>
+inline void weigh_slice(const float* weights, const int64_t* heads, int64_t length, const scalar_t* value, const int64_t* offsets,
+                        int64_t begin, int64_t end, int64_t dim, float* acc) {
+  vf sums[N][S];
+  for (int j = 0; j < N; ++j) load_vectors<S>(acc + heads[j] * D + dim, sums[j]);
+  for (int64_t pos = begin; pos < end; ++pos) {
+    vf v[S];
+    load_vectors<S>(value + offsets[pos] + dim, v);
+    for (int j = 0; j < N; ++j) {
+      const float p = weights[heads[j] * length + pos];
+      for (int c = 0; c < S; ++c) sums[j][c] += p * v[c];
+    }
+  }
+  for (int j = 0; j < N; ++j) std::memcpy(acc + heads[j] * D + dim, sums[j], sizeof sums[j]);
+}
+
+template <int D, typename scalar_t, typename index_t>
+void weigh_values(const float* weights, int64_t queries, const scalar_t* value, const index_t* table, const int64_t* offsets,
+                  int64_t length, const Geometry& g, float* acc) {
+  constexpr int chunks = D / kLanes, slice = kValueSlice<D>, block = kValueHeads<D>;
+  const int64_t group = g.heads / g.kv_heads, pairs = queries * group, num_blocks = (length + g.block_size - 1) / g.block_size;
+  std::fill(acc, acc + queries * g.heads * D, 0.f);
+  for (int64_t begin = 0, index = 0; begin < length; begin += g.block_size, ++index) {
+    for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+      prefetch_part(value, table, index + kPrefetchBlocks, num_blocks, g, kvh, g.kv_heads);
+      for (int64_t first = 0; first < pairs; first += block) {
+        int64_t heads[block];
+        const int64_t count = std::min<int64_t>(block, pairs - first);
+        for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
+        const int64_t end = std::min(begin + g.block_size, visible_keys(length, queries, (first + count - 1) / group));
+        for (int64_t dim = 0; dim < D; dim += slice * kLanes) {
+          with_count<block>(count, [&](auto size) {
+            weigh_slice<D, decltype(size)::value, slice>(weights, heads, length, value + kvh * g.k_head, offsets, begin, end, dim, acc);
+          });
         }
       }
-      for (int64_t j = 0; j < count; ++j) std::memcpy(acc + heads[j] * D, sums[j], sizeof sums[j]);
     }
   }
 }
@@ -318,14 +344,14 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
                           : (__m512bh)_mm512_setzero_si512();
       for (int64_t j = 0; j < queries * group; ++j) {
         const int64_t head = pair_head(j, kvh, g);
-        v16 partial[kLanes];
+        vf partial[kLanes];
         for (int64_t t = 0; t < kLanes; ++t) {
           __m512 sum = _mm512_setzero_ps();
           for (int c = 0; c < pairs; ++c) sum = _mm512_dpbf16_ps(sum, qb[head * pairs + c], k[t][c]);
-          partial[t] = (v16)sum;
+          partial[t] = (vf)sum;
         }
         alignas(64) float out[kLanes];
-        const v16 total = transpose_sum(partial) * scale;
+        const vf total = transpose_sum(partial) * scale;
         std::memcpy(out, &total, sizeof out);
         std::memcpy(scores + head * length + first, out, n * sizeof(float));
       }
@@ -419,7 +445,7 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
   token_offsets(table, length, g, scratch.offsets.data());
   const int64_t* offsets = scratch.offsets.data();
   constexpr bool bf16_dot = std::is_same_v<scalar_t, at::BFloat16> && kBf16Dot && D % (2 * kLanes) == 0;
-  prefetch_block(key, table, 0, 1, g);
+  prefetch_first_blocks(key, table, length, g);
   for (int64_t i = 0; i < queries; ++i) {
     for (int64_t h = 0; h < g.heads; ++h) {
       float* qh = qf + (i * g.heads + h) * D;
@@ -432,11 +458,11 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
   else
     score_keys<D>(qf, queries, key, table, offsets, length, g, scores);
   softmax_rows<scalar_t>(scores, queries, g.heads, length, inverse_sums);
-  prefetch_block(value, table, 0, 1, g);
+  prefetch_first_blocks(value, table, length, g);
   if constexpr (bf16_dot)
     weigh_values_bf16<D>(scores, queries, value, offsets, length, g, acc);
   else
-    weigh_values<D>(scores, queries, value, offsets, length, g, acc);
+    weigh_values<D>(scores, queries, value, table, offsets, length, g, acc);
   for (int64_t i = 0; i < queries; ++i) {
     for (int64_t h = 0; h < g.heads; ++h) {
       const int64_t head = i * g.heads + h;
@@ -447,8 +473,8 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
 }
 
 template <typename scalar_t, typename index_t>
-void run(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& value, const torch::Tensor& table,
-         const torch::Tensor& lens, const index_t* starts, float scale, torch::Tensor& out) {
+void run(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
+         const at::Tensor& lens, const index_t* starts, float scale, at::Tensor& out) {
   const Geometry g{q.size(1), key.size(2), q.size(2), key.size(1), table.size(1),
                    q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), out.stride(0), out.stride(1)};
   const int64_t rows = lens.size(0);
@@ -482,8 +508,10 @@ void run(const torch::Tensor& q, const torch::Tensor& key, const torch::Tensor& 
   });
 }
 
-torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor value, torch::Tensor block_table,
-                           torch::Tensor context_lens, double scale, std::optional<torch::Tensor> query_starts) {
+}  // namespace
+
+at::Tensor paged_decode(at::Tensor q, at::Tensor key, at::Tensor value, at::Tensor block_table,
+                           at::Tensor context_lens, double scale, std::optional<at::Tensor> query_starts) {
   TORCH_CHECK(q.dim() == 3 && key.dim() == 4 && value.sizes() == key.sizes(), "q [T, H, D], key/value [N, bs, Hkv, D]");
   TORCH_CHECK(q.size(2) == key.size(3) && q.size(1) % key.size(2) == 0, "head_dim must match and Hkv divide H");
   TORCH_CHECK(q.stride(2) == 1 && key.stride(3) == 1 && value.strides() == key.strides(), "head_dim must be contiguous");
@@ -499,7 +527,7 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor val
   } else {
     TORCH_CHECK(q.size(0) == context_lens.size(0), "one query per row without query_starts");
   }
-  auto out = torch::empty_like(q, at::MemoryFormat::Contiguous);
+  auto out = at::empty_like(q, at::MemoryFormat::Contiguous);
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "paged_decode", [&] {
     if (block_table.scalar_type() == at::kInt) {
       const int32_t* starts = multi ? query_starts->data_ptr<int32_t>() : nullptr;
@@ -515,15 +543,10 @@ torch::Tensor paged_decode(torch::Tensor q, torch::Tensor key, torch::Tensor val
   return out;
 }
 
-}  // namespace
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU), one or more queries per row",
-        pybind11::arg("q"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("block_table"),
-        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("query_starts") = pybind11::none());
-  m.def("supported_head_dims", [] {
+std::vector<int64_t> supported_head_dims() {
 #define PDSERVE_LIST(D) D,
-    return std::vector<int64_t>{PDSERVE_HEAD_DIMS(PDSERVE_LIST)};
+  return {PDSERVE_HEAD_DIMS(PDSERVE_LIST)};
 #undef PDSERVE_LIST
-  });
 }
+
+}  // namespace pdserve

@@ -1,0 +1,13 @@
+// The Python module of pdserve's CPU kernels (engine.kernels builds it from every source of this folder).
+#include "kernels.h"
+
+#include <torch/extension.h>
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &pdserve::paged_decode, "decode attention over a paged KV pool (CPU), one or more queries per row",
+        pybind11::arg("q"), pybind11::arg("key"), pybind11::arg("value"), pybind11::arg("block_table"),
+        pybind11::arg("context_lens"), pybind11::arg("scale"), pybind11::arg("query_starts") = pybind11::none());
+  m.def("supported_head_dims", &pdserve::supported_head_dims);
+  m.def("small_matmul", &pdserve::small_matmul, "x @ weight.T (+ bias) for an input of few rows (float32, CPU)",
+        pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
+}

@@ -1,0 +1,19 @@
+// The functions pdserve's CPU kernels export to Python (bindings.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+#include <vector>
+
+namespace pdserve {
+
+// paged_attention.cpp: decode attention over the paged KV pool, and the head sizes it is compiled for.
+at::Tensor paged_decode(at::Tensor q, at::Tensor key, at::Tensor value, at::Tensor block_table,
+                           at::Tensor context_lens, double scale, std::optional<at::Tensor> query_starts);
+std::vector<int64_t> supported_head_dims();
+
+// small_matmul.cpp: x [..., K] @ weight[N, K]^T (+ bias) for inputs of few rows, float32.
+at::Tensor small_matmul(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias);
+
+}  // namespace pdserve

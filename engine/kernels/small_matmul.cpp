@@ -1,0 +1,116 @@
+// Linear layers on inputs of few rows (CPU, float32): y = x @ weight^T (+ bias), x [..., K], weight [N, K].
+//
+// With few rows (a decode step of a small batch, a request verifying proposed tokens) a linear layer is
+// bound by reading its weight, which torch's GEMM does at a fraction of the memory's rate on some CPUs
+// (an AMD EPYC with AVX2: a third of it at 2 to 8 rows, while one row streams at full rate). Here every
+// weight row is read from memory once for all rows of x: the weight is walked kWeightRows rows at a time,
+// and each such block in tiles of kTileDims dims that stay in L1 while the rows of x take their turns,
+// kXRows rows of x at a time, each accumulating kWeightRows dot products in registers; one transposing
+// sum per (x rows, weight rows) pair of groups turns the accumulators into outputs. Tasks split the
+// weight's rows (at::parallel_for). engine.small_matmul decides when this beats torch's GEMM.
+
+#include "kernels.h"
+#include "vector.h"
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <vector>
+
+namespace pdserve {
+namespace {
+
+constexpr int kWeightRows = 4;
+constexpr int kXRows = kVectorRegisters >= 32 ? 4 : 2;  // kXRows * kWeightRows accumulators + kWeightRows weights + 1
+constexpr int64_t kTileDims = 256;
+constexpr int64_t kMaxRows = 64;  // rows of x whose accumulators one pass over a weight block keeps
+static_assert(kXRows * kWeightRows <= kLanes, "one transposing sum takes a group's accumulators");
+
+inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
+
+// acc[j][i] += x[j, k0:k1] * w[i, k0:k1] lane by lane, for R rows of x and the block's weight rows.
+template <int R>
+inline void accumulate(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, vf (&acc)[R][kWeightRows]) {
+  for (int64_t k = k0; k < k1; k += kLanes) {
+    vf weights[kWeightRows];
+    for (int i = 0; i < kWeightRows; ++i) weights[i] = load(w + i * K + k);
+    for (int j = 0; j < R; ++j) {
+      const vf xs = load(x + j * K + k);
+      for (int i = 0; i < kWeightRows; ++i) acc[j][i] += weights[i] * xs;
+    }
+  }
+}
+
+// y[j, i] for the block's `live` weight rows: the lanes of acc[j][i] summed, plus the dims past the last
+// whole vector (`vector_dims` .. K) one by one.
+template <int R>
+inline void finish(const float* x, int64_t K, const float* w, int64_t vector_dims, vf (&acc)[R][kWeightRows], float* y,
+                   int64_t N, int live) {
+  vf partial[kLanes] = {};
+  for (int j = 0; j < R; ++j)
+    for (int i = 0; i < kWeightRows; ++i) partial[j * kWeightRows + i] = acc[j][i];
+  const vf sums = transpose_sum(partial);
+  for (int j = 0; j < R; ++j) {
+    for (int i = 0; i < live; ++i) {
+      float sum = sums[j * kWeightRows + i];
+      for (int64_t k = vector_dims; k < K; ++k) sum += x[j * K + k] * w[i * K + k];
+      y[j * N + i] = sum;
+    }
+  }
+}
+
+// Rows [0, M) of x (M <= kMaxRows) against one block of kWeightRows weight rows, `live` of them real.
+void weight_block(const float* x, int64_t M, int64_t K, const float* w, float* y, int64_t N, int live) {
+  const int64_t vector_dims = K / kLanes * kLanes, groups = M / kXRows;
+  vf acc[kMaxRows / kXRows][kXRows][kWeightRows];
+  vf last[kXRows][1][kWeightRows];  // the rows past the last whole group, one at a time
+  for (int64_t g = 0; g < groups; ++g)
+    for (auto& row : acc[g])
+      for (auto& v : row) v = vf{};
+  for (auto& row : last)
+    for (auto& v : row[0]) v = vf{};
+  for (int64_t k0 = 0; k0 < vector_dims; k0 += kTileDims) {
+    const int64_t k1 = std::min(vector_dims, k0 + kTileDims);
+    for (int64_t g = 0; g < groups; ++g) accumulate<kXRows>(x + g * kXRows * K, K, w, k0, k1, acc[g]);
+    for (int64_t m = groups * kXRows; m < M; ++m)
+      accumulate<1>(x + m * K, K, w, k0, k1, last[m - groups * kXRows]);
+  }
+  for (int64_t g = 0; g < groups; ++g) finish<kXRows>(x + g * kXRows * K, K, w, vector_dims, acc[g], y + g * kXRows * N, N, live);
+  for (int64_t m = groups * kXRows; m < M; ++m)
+    finish<1>(x + m * K, K, w, vector_dims, last[m - groups * kXRows], y + m * N, N, live);
+}
+
+}  // namespace
+
+at::Tensor small_matmul(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat, "small_matmul: float32 only");
+  TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() && x.size(-1) == weight.size(1), "small_matmul: weight [N, K] contiguous, x [..., K]");
+  const int64_t K = weight.size(1), N = weight.size(0);
+  const auto rows = x.reshape({-1, K}).contiguous();
+  const int64_t M = rows.size(0);
+  auto y = at::empty({M, N}, x.options());
+  const float* xp = rows.data_ptr<float>();
+  const float* wp = weight.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  at::parallel_for(0, (N + kWeightRows - 1) / kWeightRows, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> padded;  // the weight's last, partial block, zero-filled to kWeightRows rows
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n = block * kWeightRows;
+      const int live = static_cast<int>(std::min<int64_t>(kWeightRows, N - n));
+      const float* w = wp + n * K;
+      if (live < kWeightRows) {
+        padded.assign(kWeightRows * K, 0.f);
+        std::copy(w, w + live * K, padded.begin());
+        w = padded.data();
+      }
+      for (int64_t m = 0; m < M; m += kMaxRows)
+        weight_block(xp + m * K, std::min(kMaxRows, M - m), K, w, yp + m * N + n, N, live);
+    }
+  });
+  if (bias) y.add_(*bias);
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
+}
+
+}  // namespace pdserve

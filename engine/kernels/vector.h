@@ -1,0 +1,112 @@
+// Vectors of fp32 lanes shared by pdserve's CPU kernels (paged_attention.cpp, small_matmul.cpp): the
+// lane count and register budget of this CPU, unaligned loads that convert the pool's dtypes in
+// registers, and a transposing horizontal sum.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+
+namespace pdserve {
+
+inline float as_float(float x) { return x; }
+inline float as_float(at::Half x) { return static_cast<float>(x); }
+inline float as_float(at::BFloat16 x) {  // bf16 is the top half of an fp32: a shift the compiler vectorizes
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// x rounded to scalar_t and back (for bf16: round to nearest even on the bits, which the compiler vectorizes;
+// x is finite here).
+template <typename scalar_t>
+inline float round_to(float x) { return as_float(static_cast<scalar_t>(x)); }
+template <>
+inline float round_to<float>(float x) { return x; }
+template <>
+inline float round_to<at::BFloat16>(float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  bits = (bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u;
+  std::memcpy(&x, &bits, sizeof x);
+  return x;
+}
+
+// One vector of fp32 lanes in GCC's vector extension, as wide as the CPU's registers (-march=native
+// decides): 16 lanes in 32 AVX-512 registers, else 8 lanes in 16 AVX2 ones. The kernels' loops are written
+// for kLanes lanes and size their register blocks from kVectorRegisters, so neither width spills.
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+constexpr int kVectorRegisters = 32;
+#else
+constexpr int kLanes = 8;
+constexpr int kVectorRegisters = 16;
+#endif
+typedef float vf __attribute__((vector_size(kLanes * sizeof(float))));
+typedef int32_t vi __attribute__((vector_size(kLanes * sizeof(int32_t))));
+
+// Unaligned vector loads of one register each (a memcpy of several vectors may be split into narrower moves).
+typedef float vf_unaligned __attribute__((vector_size(kLanes * sizeof(float)), aligned(alignof(float))));
+typedef uint16_t vh_unaligned __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(alignof(uint16_t))));
+
+// `count` vectors of fp32 lanes from a row stored in scalar_t, converted in registers: going through a
+// float array first would store it in pieces the vector loads cannot forward from (a stall per load).
+template <int count, typename scalar_t>
+inline void load_vectors(const scalar_t* src, vf* dst) {
+  for (int c = 0; c < count; ++c) {
+    if constexpr (std::is_same_v<scalar_t, float>) {
+      dst[c] = *reinterpret_cast<const vf_unaligned*>(src + c * kLanes);
+    } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {  // bf16 is the top half of an fp32
+      dst[c] = (vf)(__builtin_convertvector(*reinterpret_cast<const vh_unaligned*>(src + c * kLanes), vi) << 16);
+    } else {
+      for (int lane = 0; lane < kLanes; ++lane) dst[c][lane] = as_float(src[c * kLanes + lane]);
+    }
+  }
+}
+
+// round_to on kLanes lanes at once, the same operations lane by lane.
+template <typename scalar_t>
+inline vf round_to(vf x) {
+  if constexpr (std::is_same_v<scalar_t, float>) {
+    return x;
+  } else if constexpr (std::is_same_v<scalar_t, at::BFloat16>) {
+    const vi bits = (vi)x;
+    return (vf)((bits + 0x7FFF + ((bits >> 16) & 1)) & (vi{} + static_cast<int32_t>(0xFFFF0000u)));
+  } else {
+    for (int lane = 0; lane < kLanes; ++lane) x[lane] = round_to<scalar_t>(x[lane]);
+    return x;
+  }
+}
+
+// One step of a transposing horizontal sum: lanes of `a` and `b` in chunks of `Width` are paired and
+// added, so that after widths 1, 2, 4 (, 8) the sums of kLanes vectors sit in one vector, vector t in lane t.
+template <int Width>
+inline vf pair_sum(vf a, vf b) {
+  vi first, second;
+  for (int lane = 0; lane < kLanes; ++lane) {
+    const int chunk = lane / (2 * Width), offset = lane % (2 * Width);
+    const int source = (offset < Width ? 0 : kLanes) + chunk * 2 * Width + offset % Width;
+    first[lane] = source;
+    second[lane] = source + Width;
+  }
+  return __builtin_shuffle(a, b, first) + __builtin_shuffle(a, b, second);
+}
+
+template <int Width>
+inline void pair_sums(vf* partial) {
+  for (int i = 0; i < kLanes / (2 * Width); ++i) partial[i] = pair_sum<Width>(partial[2 * i], partial[2 * i + 1]);
+}
+
+// lane t of the result = the sum of the lanes of partial[t] (kLanes vectors, unused ones zero).
+inline vf transpose_sum(vf* partial) {
+  pair_sums<1>(partial);
+  pair_sums<2>(partial);
+  pair_sums<4>(partial);
+  if constexpr (kLanes == 16) pair_sums<8>(partial);
+  return partial[0];
+}
+
+}  // namespace pdserve
