@@ -1,6 +1,6 @@
 """The model's attention-free ceilings: its forward with attention replaced by a function that returns
-the query unchanged, so only the matmuls (and norms) run. `run_matmul_ceiling` times a batch of
-single decode tokens, `run_prefill_ceiling` one packed prompt chunk; `workload_ceiling` combines them
+the query unchanged, so only the matmuls (and norms) run. `matmul_ceiling_forward` is one step of a
+batch of single decode tokens, `run_prefill_ceiling` times one packed prompt chunk; `workload_ceiling` combines them
 into the best useful tokens/s any engine could reach on a workload here (the bound; the engine's
 fraction of it is `engine_over_bound` among bench.engine's ratios). `run_memory_ceiling` measures how fast
 one thread reads memory here, which prices what the attention-free bound leaves out and no decode
@@ -11,12 +11,12 @@ from __future__ import annotations
 import statistics
 import sys
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
 
 from bench.engine_workload import Workload
-from bench.measure import Clock
 
 NOATTN_IMPLEMENTATION = "pdserve_noattn"
 
@@ -35,29 +35,34 @@ def _register_no_attention() -> str:
     return NOATTN_IMPLEMENTATION
 
 
-@torch.inference_mode()
-def run_matmul_ceiling(model: torch.nn.Module, batch: int, iters: int, position: int, vocab_size: int) -> dict:
+def matmul_ceiling_forward(model: torch.nn.Module, batch: int, position: int, vocab_size: int) -> Callable[[], None]:
+    """The matmul ceiling's step, warmed up: one attention-free forward of `batch` single decode tokens at
+    `position` (bench.engine times it step by step, alternating with the engine's own decode steps)."""
     model.set_attn_implementation(_register_no_attention())
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch, 1), generator=gen)
     positions = torch.full((batch, 1), position, dtype=torch.long)
-    for _ in range(2):
+
+    @torch.inference_mode()
+    def forward() -> None:
         model(input_ids=ids, position_ids=positions, use_cache=False)
-    times = []
-    clock = Clock()
-    for _ in tqdm(range(iters), desc="matmul ceiling", unit="fwd", file=sys.stderr, dynamic_ncols=True):
-        t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=positions, use_cache=False)
-        times.append(time.perf_counter() - t0)
-    _, cpu = clock.stop()
+
+    forward()
+    forward()
+    return forward
+
+
+def step_record(batch: int, times: list[float], cpu_times: list[float]) -> dict:
+    """Timed steps of `batch` tokens each: tokens/s over their total wall time (and CPU time), the median and fastest step."""
     median = statistics.median(times)
     return {
         "batch": batch,
-        "iters": iters,
+        "steps": len(times),
         "step_ms_median": round(median * 1e3, 2),
         "step_ms_min": round(min(times) * 1e3, 2),
-        "tokens_per_s": round(batch / median, 2),
-        "tokens_per_cpu_s": round(batch * iters / max(cpu, 1e-9), 2),
+        "tokens_per_s": round(batch * len(times) / sum(times), 2),
+        "tokens_per_s_median_step": round(batch / median, 2),
+        "tokens_per_cpu_s": round(batch * len(times) / max(sum(cpu_times), 1e-9), 2),
     }
 
 

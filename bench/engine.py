@@ -11,7 +11,7 @@ dtype under `by_dtype`, the settings and the machine (CPU model and features) on
 
 One workload (default: 64 requests, prompt lengths uniform in [64, 512] random token ids, output
 lengths uniform in [32, 256], greedy, EOS ignored so that every request produces exactly its output
-length) runs, in one process and one after the other, through:
+length) runs, in one process, through:
 
   engine          `engine.Engine`: all requests added at once, `step()` until done
   hf_static       transformers `generate` in static batches of 8 (left padding, `max_new_tokens` =
@@ -19,10 +19,13 @@ length) runs, in one process and one after the other, through:
   hf_continuous   transformers' own continuous batching (`init_continuous_batching`, per-request
                   `max_new_tokens`); by default on the first 16 requests only (see
                   `Settings.continuous_requests`: on CPU it slows down with the batch's total KV)
-  engine_decode   the engine with a batch of 64 prefilled requests, timing decode steps only
+  engine_decode   the engine with a batch of 64 prefilled requests, timing decode steps only, each
+                  followed by a step of
   matmul_ceiling  the model's forward on a batch of 64 single decode tokens with attention replaced
                   by a function that returns its query unchanged: only the matmuls (and norms) run
   prefill_ceiling the same attention-free forward on one 2048-token prompt chunk
+The ceilings run right after the engine (engine_decode and matmul_ceiling step by step in turn), the
+transformers baselines after them, so that what the ratios divide is measured close together in time.
 
 `workload_ceiling` combines the two ceilings into the best useful tokens/s any engine could reach on
 this workload here (every prompt token at the prefill ceiling, every output token at the decode
@@ -55,7 +58,7 @@ from pathlib import Path
 
 import torch
 
-from bench.ceilings import run_matmul_ceiling, run_memory_ceiling, run_prefill_ceiling, workload_ceiling
+from bench.ceilings import matmul_ceiling_forward, run_memory_ceiling, run_prefill_ceiling, step_record, workload_ceiling
 from bench.engine_report import plot, summary
 from bench.engine_workload import Settings, Workload, make_workload
 from bench.hf_baselines import hf_copy, pad_id, run_hf_continuous, run_hf_static
@@ -120,11 +123,14 @@ def _warm_engine(engine: Engine, w: Workload) -> None:
     engine.blocks.reset_prefix_cache()
 
 
-# ---- (e) engine decode-only at a fixed batch -----------------------------------------------------
-def run_engine_decode(engine: Engine, w: Workload, batch: int, steps: int) -> dict:
-    """`batch` requests prefilled first; then only decode steps are timed (every step decodes all).
-    The prompts are the workload's, so after `run_engine` their full blocks come from the prefix cache
-    and the untimed prefill is short; the timed steps read exactly the KV a fresh prefill would write."""
+# ---- (e) engine decode-only at a fixed batch, step by step against (f) the matmul ceiling ----------
+def run_engine_decode(engine: Engine, w: Workload, batch: int, steps: int, ceiling_model: torch.nn.Module) -> tuple[dict, dict]:
+    """`batch` requests prefilled first; then only decode steps are timed (every step decodes all), each one
+    followed by a timed step of the matmul ceiling (the attention-free forward of `ceiling_model` on a batch of
+    the same size at the same mean position), so that the two figures the decode ratio divides are measured
+    in the same seconds of a machine whose speed drifts. The prompts are the workload's, so after `run_engine`
+    their full blocks come from the prefix cache and the untimed prefill is short; the timed steps read exactly
+    the KV a fresh prefill would write. Returns (engine_decode, matmul_ceiling)."""
     prompts = [w.prompts[i % len(w.prompts)] for i in range(batch)]
     budget = engine.config.max_num_batched_tokens
     prefill_steps = -(-sum(len(p) for p in prompts) // max(budget - batch, 1)) + 2  # early finishers decode meanwhile
@@ -136,32 +142,28 @@ def run_engine_decode(engine: Engine, w: Workload, batch: int, steps: int) -> di
             produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
     engine.step()  # one untimed decode step
     context = sum(len(p) for p in prompts) / batch + sum(produced.values()) / batch + 1
-    times, contexts = [], []
-    clock = Clock()
-    with progress_bar("engine decode", steps, unit="step") as bar:
+    ceiling = matmul_ceiling_forward(ceiling_model, batch, int(context + steps / 2), ceiling_model.config.vocab_size)
+    times, cpu_times, ceiling_times, ceiling_cpu, contexts = [], [], [], [], []
+    with progress_bar("engine decode vs matmul ceiling", steps, unit="step") as bar:
         for _ in range(steps):
             contexts.append(context)
             context += 1
-            t0 = time.perf_counter()
+            wall, cpu = time.perf_counter(), time.process_time()
             outs = engine.step()
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - wall)
+            cpu_times.append(time.process_time() - cpu)
             if sum(len(o.new_token_ids) for o in outs) != batch:
                 raise RuntimeError("a timed decode step did not decode the whole batch")
+            wall, cpu = time.perf_counter(), time.process_time()
+            ceiling()
+            ceiling_times.append(time.perf_counter() - wall)
+            ceiling_cpu.append(time.process_time() - cpu)
             bar.update(1)
-    _, cpu = clock.stop()
     for i in range(batch):
         engine.abort(f"decode-{i}")
     engine.step()
-    return {
-        "batch": batch,
-        "steps": steps,
-        "mean_context_tokens": round(statistics.mean(contexts), 1),
-        "step_ms_median": round(statistics.median(times) * 1e3, 2),
-        "step_ms_min": round(min(times) * 1e3, 2),
-        "tokens_per_s": round(batch * steps / sum(times), 2),
-        "tokens_per_s_median_step": round(batch / statistics.median(times), 2),
-        "tokens_per_cpu_s": round(batch * steps / max(cpu, 1e-9), 2),
-    }
+    decode = {**step_record(batch, times, cpu_times), "mean_context_tokens": round(statistics.mean(contexts), 1)}
+    return decode, step_record(batch, ceiling_times, ceiling_cpu)
 
 
 # ---- the run -------------------------------------------------------------------------------------
@@ -204,12 +206,18 @@ def run(s: Settings, loaded: LoadedModel) -> dict:
         result["engine"] = run_engine(engine, w)
     result["engine"]["engine_config"] = asdict(engine.config)
     rss_after_engine = peak_rss_bytes()
+    # The ceilings right after the engine, on a separate transformers copy: the bound is then measured within
+    # minutes of the engine run rather than after the baselines (this VM's speed drifts).
+    ceiling_model = hf_copy(loaded)
     with machine.phase("engine_decode"):
-        result["engine_decode"] = run_engine_decode(engine, w, decode_batch, s.decode_steps)
+        result["engine_decode"], result["matmul_ceiling"] = run_engine_decode(engine, w, decode_batch, s.decode_steps, ceiling_model)
     kv_bytes, kv_blocks = engine.kv_cache.nbytes, engine.kv_cache.num_blocks
     layout = engine.kv_cache.layout
     kv_bytes_per_token = layout.bytes_per_token_per_layer * layout.num_layers
     del engine
+    with machine.phase("prefill_ceiling"):
+        result["prefill_ceiling"] = run_prefill_ceiling(ceiling_model, s.max_num_batched_tokens, max(2, s.ceiling_iters // 3), config.vocab_size)
+    del ceiling_model
 
     hf = hf_copy(loaded)
     pad = pad_id(loaded)
@@ -217,11 +225,6 @@ def run(s: Settings, loaded: LoadedModel) -> dict:
         result["hf_static"] = run_hf_static(hf, baseline, s.hf_batch_size, pad)
     with machine.phase("hf_continuous"):
         result["hf_continuous"] = run_hf_continuous(hf, continuous, s.max_num_batched_tokens, pad)
-    mean_ctx = int(result["engine_decode"]["mean_context_tokens"])
-    with machine.phase("matmul_ceiling"):
-        result["matmul_ceiling"] = run_matmul_ceiling(hf, decode_batch, s.ceiling_iters, mean_ctx, config.vocab_size)
-    with machine.phase("prefill_ceiling"):
-        result["prefill_ceiling"] = run_prefill_ceiling(hf, s.max_num_batched_tokens, max(2, s.ceiling_iters // 3), config.vocab_size)
     del hf
     with machine.phase("memory_ceiling"):
         result["memory_ceiling"] = run_memory_ceiling()

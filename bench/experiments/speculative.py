@@ -6,7 +6,8 @@ Workload: input-grounded prompts built from this repository's own source (no dow
 following code with the variable X renamed to Y" over a function-sized excerpt, greedy, so the answer
 mostly copies the prompt. Each phase runs the same requests through an engine with
 `engine.speculative.method: off` and one with `ngram` (the adaptive switch on, as deployed), in
-one process, one after the other:
+one process, in the order off, ngram, ngram, off (each method's figure the mean of its two runs, so a
+drift of the machine's speed during the phase cancels out):
   c1     one request at a time            tokens/s speculative vs plain (target >= 1.6x)
   c4     four requests at once            the same (target >= 1.6x)
   load64 64 requests at once              the switch must keep throughput >= 0.97x plain
@@ -83,14 +84,27 @@ def run_phase(loaded, prompt_ids: list[list[int]], concurrency: int, max_tokens:
 
 
 def compare(loaded, name: str, prompt_ids, concurrency: int, max_tokens: int, threads: int | None) -> dict[str, Any]:
-    plain = run_phase(loaded, prompt_ids, concurrency, max_tokens, "off", threads)
-    spec = run_phase(loaded, prompt_ids, concurrency, max_tokens, "ngram", threads)
-    identical = plain.pop("outputs") == spec.pop("outputs")
+    """Plain, speculative, speculative, plain (ABBA): each method's tokens/s is the mean of its two runs, so a
+    machine whose speed drifts during the phase (a shared VM) favours neither."""
+    runs = {"off": [], "ngram": []}
+    for method in ("off", "ngram", "ngram", "off"):
+        runs[method].append(run_phase(loaded, prompt_ids, concurrency, max_tokens, method, threads))
+    outputs = [run.pop("outputs") for method_runs in runs.values() for run in method_runs]
+    identical = all(out == outputs[0] for out in outputs)
+    plain, spec = (_mean_of(runs[method]) for method in ("off", "ngram"))
     ratio = spec["tokens_per_s"] / plain["tokens_per_s"]
-    common.log.info("%s: plain %.1f tok/s, speculative %.1f tok/s (x%.2f), acceptance %s, identical %s", name,
-                    plain["tokens_per_s"], spec["tokens_per_s"], ratio, spec["acceptance_rate"], identical)
+    common.log.info("%s: plain %.1f tok/s, speculative %.1f tok/s (x%.2f; runs %s / %s), acceptance %s, identical %s", name,
+                    plain["tokens_per_s"], spec["tokens_per_s"], ratio, plain["runs_tokens_per_s"], spec["runs_tokens_per_s"],
+                    spec["acceptance_rate"], identical)
     return {"plain": plain, "speculative": spec, "speedup": round(ratio, 3), "target": TARGETS[name],
             "meets_target": ratio >= TARGETS[name], "outputs_identical": identical}
+
+
+def _mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first run's record with tokens/s and wall time the mean of the runs', each run's tokens/s kept."""
+    wall = sum(r["wall_s"] for r in runs) / len(runs)
+    return {**runs[0], "wall_s": round(wall, 3), "tokens_per_s": round(runs[0]["output_tokens"] / wall, 2),
+            "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
 
 
 def plot(phases: dict[str, dict]) -> str:
@@ -119,7 +133,8 @@ def markdown(report: dict[str, Any]) -> str:
         BEGIN, "## Speculative decoding (bench/experiments/speculative.py)", "",
         f"SmolLM2-135M ({report.get('dtype', 'float32')}, CPU), greedy, input-grounded prompts from this repository's code (\"Repeat the following code with the "
         "variable X renamed to Y\"), `engine.speculative: {method: ngram, num_speculative_tokens: 5}` with the adaptive switch, against "
-        "`method: off`; tokens/s = output tokens / wall time, prefill included. Outputs identical in every phase: "
+        "`method: off`; tokens/s = output tokens / wall time, prefill included, each method run twice per phase in the order "
+        "off, ngram, ngram, off and its two wall times averaged. Outputs identical in every run of every phase: "
         f"{all(p['outputs_identical'] for p in report['phases'].values())}.", "",
         f"Machine: {m['cpus']} CPUs ({m.get('cpu') or m.get('cpu_model')}), torch {m['torch']}, commit {m['git_commit']}; load average "
         f"{'/'.join(map(str, m['loadavg_start']))} at start, {'/'.join(map(str, m['loadavg_end']))} at end (the machine was shared); "

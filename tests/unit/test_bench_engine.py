@@ -74,8 +74,9 @@ def _check_dtype_section(data: dict, settings: dict) -> None:
     assert data["ratios"]["engine_over_bound"] == round(data["engine"]["tokens_per_s"] / bound["useful_tokens_per_s"], 3)
     memory = data["memory"]
     assert memory["peak_rss_bytes"] > 0 and memory["kv_pool_bytes"] > 0 and memory["kv_pool_blocks"] > 0
-    assert set(data["load"]["phases"]) == {"engine", "engine_decode", "hf_static", "hf_continuous", "matmul_ceiling", "prefill_ceiling",
-                                           "memory_ceiling"}
+    # the matmul ceiling's steps alternate with the engine's decode steps, inside one phase
+    assert data["engine_decode"]["steps"] == data["matmul_ceiling"]["steps"] == settings["decode_steps"]
+    assert set(data["load"]["phases"]) == {"engine", "engine_decode", "prefill_ceiling", "hf_static", "hf_continuous", "memory_ceiling"}
     # reading the decode steps' KV costs time the attention-free bound leaves out
     assert data["memory_ceiling"]["gb_per_s"] > 0 and bound["decode_kv_bytes"] > 0
     assert 0 < bound["bound_with_kv_read_tokens_per_s"] < bound["useful_tokens_per_s"]
