@@ -67,8 +67,8 @@ class ModelRunner:
         self.fallback_reason: str | None = None
         """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
-        self.few_rows = small_matmul.install(model) if self.device.type == "cpu" else 0
-        """Linear layers on inputs of at most this many rows use the small-matmul kernel (engine.small_matmul)."""
+        self.few_rows = small_matmul.install(model) if self.device.type == "cpu" else {}
+        """Per weight shape: linear layers on inputs of at most this many rows use the small-matmul kernel (engine.small_matmul)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
         except Exception as exc:  # a kernel that does not compile or a graph that does not capture here

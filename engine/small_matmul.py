@@ -5,11 +5,14 @@ an input of a few rows. Such a layer is bound by reading its weight, which torch
 fraction of the memory's rate on some CPUs (measured on an AMD EPYC with AVX2: 2 to 8 rows cost 1.3 to
 1.8x what engine.kernels' `small_matmul` costs, which reads each weight row once for all rows).
 
-Lifecycle: the ModelRunner calls `install(model)` once, on a CPU. It measures on the model's largest
-float32 linear layer up to how many rows the kernel beats `torch.nn.functional.linear` on this machine
-(`crossover_rows`: 0 when it never does, or when the kernels are not built), then turns each float32
+Lifecycle: the ModelRunner calls `install(model)` once, on a CPU. For each weight shape of the model's
+float32 linear layers it measures up to how many rows the kernel beats `torch.nn.functional.linear` on
+this machine (`crossovers`: 0 where it never does; nothing when the kernels are not built), timing the
+layers in the model's order so that every weight comes from memory as in a forward (a small layer whose
+weight sits in cache favours torch's GEMM, one read from memory favours the kernel: on an AMD EPYC the
+576x576 projections cross over at ~12 rows, the 49152x576 LM head at ~32). It then turns each such
 `nn.Linear` into a `FewRowsLinear` (the same module: parameters, hooks and state dict unchanged) that
-sends inputs of at most that many rows to the kernel and the rest to torch.
+sends inputs of at most its shape's crossover rows to the kernel and the rest to torch.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from engine import kernels
 
 log = logging.getLogger(__name__)
 
-CANDIDATE_ROWS = (1, 2, 4, 8, 16, 32)
-ROUNDS = 3
+CANDIDATE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
+ROUNDS = 2
 
 CROSSOVERS_FILE = "small_matmul_crossovers.json"
 """Next to the kernels' build (engine.kernels.build_directory()): measured once per machine, weight shape
@@ -45,49 +48,80 @@ class FewRowsLinear(nn.Linear):
         return F.linear(x, self.weight, self.bias)
 
 
-def install(model: nn.Module) -> int:
-    """Turn the model's float32 CPU linear layers into FewRowsLinear with the measured crossover (and any
-    FewRowsLinear the kernel cannot take, after a cast, back into nn.Linear); returns the crossover."""
+def install(model: nn.Module) -> dict[str, int]:
+    """Turn the model's float32 CPU linear layers into FewRowsLinear with their shape's measured crossover
+    (and any FewRowsLinear the kernel cannot take, after a cast, back into nn.Linear); returns the
+    crossover per shape key (empty when no layer can use the kernel)."""
     linears = [m for m in model.modules() if type(m) in (nn.Linear, FewRowsLinear)]
     layers = [m for m in linears if _eligible(m.weight)]
     for layer in linears:
         layer.__class__ = nn.Linear
     if not layers or kernels.load() is None:
-        return 0
-    largest = max(layers, key=lambda m: m.weight.numel())
-    rows = crossover_rows(largest.weight)
-    if rows:
-        for layer in layers:
+        return {}
+    rows = crossovers(layers)
+    for layer in layers:
+        layer.few_rows = rows[shape_key(layer.weight)]
+        if layer.few_rows:
             layer.__class__ = FewRowsLinear
-            layer.few_rows = rows
-    log.info("linear layers on at most %d rows use the small-matmul kernel (measured on a %s weight)", rows, tuple(largest.weight.shape))
+    log.info("linear layers use the small-matmul kernel up to these rows: %s", rows)
     return rows
+
+
+def shape_key(weight: torch.Tensor) -> str:
+    return f"{weight.shape[0]}x{weight.shape[1]}/{torch.get_num_threads()} threads"
 
 
 def _eligible(w: torch.Tensor) -> bool:
     return w.dtype == torch.float32 and w.device.type == "cpu" and w.is_contiguous() and type(w.data) is torch.Tensor
 
 
-@torch.inference_mode()
-def crossover_rows(weight: torch.Tensor) -> int:
-    """The most rows up to which the kernel beats torch on `weight` here: the largest of CANDIDATE_ROWS
-    where it is faster and, summed over the counts up to it, not slower (both timed alternately, best of
-    ROUNDS, so one slow sample on a shared machine does not decide). Measured once per weight shape and
-    thread count on a machine (CROSSOVERS_FILE)."""
+def crossovers(layers: list[nn.Linear]) -> dict[str, int]:
+    """Per weight shape of `layers` (in the model's order), the most rows up to which the kernel beats
+    torch here: the largest of CANDIDATE_ROWS where it is faster and, summed over the counts up to it, not
+    slower. Shapes this machine has not measured yet are measured now and kept (CROSSOVERS_FILE)."""
     path = kernels.build_directory() / CROSSOVERS_FILE
+    keys = {shape_key(layer.weight) for layer in layers}
     known = _read(path)
-    key = f"{weight.shape[0]}x{weight.shape[1]}/{torch.get_num_threads()} threads"
-    if key not in known:
-        kernel, rows, ours_total, theirs_total = kernels.load(), 0, 0.0, 0.0
-        for count in CANDIDATE_ROWS:
-            x = torch.randn(count, weight.shape[1])
-            ours, theirs = _best_times(lambda x=x: kernel.small_matmul(x, weight, None), lambda x=x: F.linear(x, weight))
-            ours_total, theirs_total = ours_total + ours, theirs_total + theirs
-            if ours < theirs and ours_total <= theirs_total:
-                rows = count
-        known = {**_read(path), key: rows}
+    missing = keys - known.keys()
+    if missing:
+        measured = _measure([layer for layer in layers if shape_key(layer.weight) in missing])
+        known = {**_read(path), **measured}
         _write(path, known)
-    return known[key]
+    return {key: known[key] for key in sorted(keys)}
+
+
+def _measure(layers: list[nn.Linear]) -> dict[str, int]:
+    rows = {shape_key(layer.weight): 0 for layer in layers}
+    totals = {key: [0.0, 0.0] for key in rows}
+    for count in CANDIDATE_ROWS:
+        ours, theirs = _best_times(layers, count)
+        for key, total in totals.items():
+            total[0] += ours[key]
+            total[1] += theirs[key]
+            if ours[key] < theirs[key] and total[0] <= total[1]:
+                rows[key] = count
+    return rows
+
+
+@torch.inference_mode()
+def _best_times(layers: list[nn.Linear], count: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Seconds per shape key for one pass over `layers` on `count` rows: the kernel's and torch's, passes
+    alternating, each shape's best of ROUNDS (one slow sample on a shared machine does not decide)."""
+    kernel = kernels.load()
+    inputs = {n: torch.randn(count, n) for n in {layer.in_features for layer in layers}}
+    calls = (lambda layer: kernel.small_matmul(inputs[layer.in_features], layer.weight, None),
+             lambda layer: F.linear(inputs[layer.in_features], layer.weight))
+    best = [{shape_key(layer.weight): float("inf") for layer in layers} for _ in calls]
+    for _ in range(ROUNDS):
+        for call, times in zip(calls, best):
+            spent: dict[str, float] = dict.fromkeys(times, 0.0)
+            for layer in layers:
+                started = time.perf_counter()
+                call(layer)
+                spent[shape_key(layer.weight)] += time.perf_counter() - started
+            for key, seconds in spent.items():
+                times[key] = min(times[key], seconds)
+    return best[0], best[1]
 
 
 def _read(path) -> dict[str, int]:
@@ -104,13 +138,3 @@ def _write(path, known: dict[str, int]) -> None:
         os.replace(staged, path)  # atomic: a process reading meanwhile never sees half a file
     except OSError as exc:  # a read-only cache: measured again by the next process
         log.warning("could not keep the measured crossover in %s: %s", path, exc)
-
-
-def _best_times(first, second) -> tuple[float, float]:
-    best = [float("inf"), float("inf")]
-    for _ in range(ROUNDS):
-        for i, call in enumerate((first, second)):
-            started = time.perf_counter()
-            call()
-            best[i] = min(best[i], time.perf_counter() - started)
-    return best[0], best[1]

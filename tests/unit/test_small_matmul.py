@@ -54,12 +54,21 @@ class _Model(nn.Module):
         return self.down(self.up(x))
 
 
+def _times(ours: float, theirs: float):
+    """A stand-in for small_matmul._best_times: the same seconds for every shape."""
+    def best_times(layers, count):
+        keys = {small_matmul.shape_key(layer.weight) for layer in layers}
+        return dict.fromkeys(keys, ours), dict.fromkeys(keys, theirs)
+    return best_times
+
+
 def test_install_routes_few_rows_to_the_kernel(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build_directory", lambda: tmp_path)
-    monkeypatch.setattr(small_matmul, "_best_times", lambda ours, theirs: (1.0, 2.0))  # the kernel "wins" at every count
+    monkeypatch.setattr(small_matmul, "_best_times", _times(1.0, 2.0))  # the kernel "wins" at every count
     model = _Model()
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    assert small_matmul.install(model) == max(small_matmul.CANDIDATE_ROWS)
+    threads = torch.get_num_threads()
+    assert small_matmul.install(model) == {f"64x32/{threads} threads": 32, f"32x64/{threads} threads": 32}
     assert type(model.up) is FewRowsLinear and type(model.down) is FewRowsLinear and type(model.norm) is nn.LayerNorm
     assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     calls = []
@@ -70,36 +79,53 @@ def test_install_routes_few_rows_to_the_kernel(monkeypatch, tmp_path):
     assert calls == [(3, 32), (3, 64)]
 
 
-def test_install_measures_once_per_machine_and_shape(monkeypatch, tmp_path):
+def test_install_measures_each_shape_once_per_machine(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build_directory", lambda: tmp_path)
+    up, down = (small_matmul.shape_key(torch.empty(shape)) for shape in ((64, 32), (32, 64)))
     timed = []
 
-    def best_times(ours, theirs):
-        timed.append(1)
-        return (1.0, 2.0) if len(timed) <= 3 else (2.0, 1.0)  # wins up to 4 rows, loses beyond
+    def best_times(layers, count):
+        timed.append(count)
+        assert [small_matmul.shape_key(layer.weight) for layer in layers] == [up, down]  # the model's order
+        # the up projection: the kernel wins up to 4 rows; the down projection: up to 12, though it
+        # loses at 8 (the counts up to 12 summed, it is still faster)
+        ours = {up: 1.0 if count <= 4 else 2.0, down: {8: 3.0}.get(count, 1.0 if count <= 12 else 9.0)}
+        return ours, dict.fromkeys(ours, 2.0)
 
     monkeypatch.setattr(small_matmul, "_best_times", best_times)
-    assert small_matmul.install(_Model()) == 4
-    measured = len(timed)
-    assert small_matmul.install(_Model()) == 4 and len(timed) == measured  # read back, not measured again
-    assert json.loads((tmp_path / small_matmul.CROSSOVERS_FILE).read_text()) == {f"64x32/{torch.get_num_threads()} threads": 4}
+    assert small_matmul.install(_Model()) == {up: 4, down: 12}
+    assert timed == list(small_matmul.CANDIDATE_ROWS)
+    model = _Model()
+    assert small_matmul.install(model) == {up: 4, down: 12} and timed == list(small_matmul.CANDIDATE_ROWS)  # read back, not measured again
+    assert (model.up.few_rows, model.down.few_rows) == (4, 12)
+    assert json.loads((tmp_path / small_matmul.CROSSOVERS_FILE).read_text()) == {up: 4, down: 12}
+
+
+def test_measured_times_cover_every_shape_in_one_pass(monkeypatch):
+    """The real timing: one entry per shape, positive, for both the kernel and torch."""
+    model = _Model()
+    layers = [model.up, model.down]
+    ours, theirs = small_matmul._best_times(layers, 4)
+    keys = {small_matmul.shape_key(layer.weight) for layer in layers}
+    assert ours.keys() == theirs.keys() == keys
+    assert all(v > 0 for v in (*ours.values(), *theirs.values()))
 
 
 def test_a_kernel_that_never_wins_is_not_installed(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build_directory", lambda: tmp_path)
-    monkeypatch.setattr(small_matmul, "_best_times", lambda ours, theirs: (2.0, 1.0))
+    monkeypatch.setattr(small_matmul, "_best_times", _times(2.0, 1.0))
     model = _Model()
-    assert small_matmul.install(model) == 0
-    assert type(model.up) is nn.Linear
+    assert set(small_matmul.install(model).values()) == {0}
+    assert type(model.up) is nn.Linear and type(model.down) is nn.Linear
 
 
 def test_layers_cast_away_from_float32_go_back_to_torch(monkeypatch, tmp_path):
     monkeypatch.setattr(kernels, "build_directory", lambda: tmp_path)
-    monkeypatch.setattr(small_matmul, "_best_times", lambda ours, theirs: (1.0, 2.0))
+    monkeypatch.setattr(small_matmul, "_best_times", _times(1.0, 2.0))
     model = _Model()
     small_matmul.install(model)
     model.to(torch.bfloat16)
-    assert small_matmul.install(model) == 0
+    assert small_matmul.install(model) == {}
     assert type(model.up) is nn.Linear and type(model.down) is nn.Linear
     with torch.inference_mode():
         assert model(torch.randn(2, 32, dtype=torch.bfloat16)).dtype == torch.bfloat16
