@@ -148,15 +148,17 @@ def markdown(report: dict[str, Any]) -> str:
                      f">= {p['target']} | {spec['acceptance_rate']} | "
                      f"{plain['steps']} / {spec['steps']}, {spec['spec_steps']} |")
     lines += ["", "What decides the ratios on a CPU: a step verifying 1 + k tokens of a request costs more than a one-token decode "
-              "step: its rows leave torch's matrix-vector kernels (in bfloat16 the forward's matmuls cost little more up to ~16 "
-              "rows, in float32 each extra row costs), and its attention is one multi-query row of the C++ decode kernel (each "
-              "query causal inside the row, the same kernel call as the plain decodes). Four requests at once gain less than one: "
-              "their plain steps already have four rows, and the requests finish at different times, so the last one runs alone "
-              "at a batch-4 step cost. The switch turns speculation off at 64 requests (its probes, one request every 16 idle "
-              "steps, are what remains). Outputs are identical token for token in float32; in bfloat16 a verifying step's rows "
-              "round differently from one-row decodes, so a near tie can flip (the greedy == HF tests run in float32). On a GPU, "
-              "where decode is bound by reading weights and verification is almost free, the switch should keep the proposals "
-              "(not measured here).", "",
+              "step, because its linear layers get 1 + k rows per request and its attention one multi-query row of the C++ "
+              "decode kernel (each query causal inside the row, the same kernel call as the plain decodes). How much more depends "
+              "on the CPU: with AMX in bfloat16 the forward's matmuls cost little more up to ~16 rows; in float32 on an AVX2 CPU "
+              "the small-matmul kernel (engine/small_matmul.py) makes steps of a few rows cheap, up to its crossover (12-32 "
+              "rows by layer), and four requests verifying 1 + 5 tokens each (24 rows) pass that crossover for most layers. "
+              "Four requests at once gain less than one: their plain steps already have four rows, and the requests finish at "
+              "different times, so the last one runs alone at a batch-4 step cost. The switch turns speculation off at 64 "
+              "requests (its probes, one request every 16 idle steps, are what remains). Outputs are identical token for token in "
+              "float32; in bfloat16 a verifying step's rows round differently from one-row decodes, so a near tie can flip (the "
+              "greedy == HF tests run in float32). On a GPU, where decode is bound by reading weights and verification is almost "
+              "free, the switch should keep the proposals (not measured here).", "",
               "![speculative](../bench/results/speculative.png)", END]
     return "\n".join(lines)
 
