@@ -41,6 +41,19 @@ inline void load_row(const scalar_t* src, float* dst) {
   for (int i = 0; i < D; ++i) dst[i] = as_float(src[i]);
 }
 
+// 2^f for f in [-0.5, 0.5], on a float or on kLanes lanes (the same operations, so the same results).
+template <class T>
+inline T exp2_fraction(T f) {
+  T p = T{} + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  return p;
+}
+
 // exp(x) for x <= 0 (scores minus their max) in a form the compiler vectorizes: 2^(x log2 e) split into
 // an integer power (built in the exponent bits) and a degree-6 polynomial on [-0.5, 0.5]; relative error
 // ~2e-7, the same order as expf's rounding.
@@ -48,14 +61,7 @@ inline float exp_nonpositive(float x) {
   x = std::max(x, -87.f);
   const float t = x * 1.4426950408889634f;
   const float n = std::nearbyint(t);
-  const float f = t - n;
-  float p = 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  const float p = exp2_fraction(t - n);
   int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   float scale;
   std::memcpy(&scale, &bits, sizeof scale);
@@ -221,14 +227,7 @@ inline vf exp_nonpositive(vf x) {
   x = x > lowest ? x : lowest;
   const vf t = x * 1.4426950408889634f;
   const vf n = (t + shifter) - shifter;
-  const vf f = t - n;
-  vf p = vf{} + 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
+  const vf p = exp2_fraction(t - n);
   return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
