@@ -24,9 +24,11 @@ if its ITL, spread over the ones left, stays within the SLO. KV blocks a decode 
 waiting for its prompt's KV (`PoolSignals.kv_waiting`) are not decode load: they count as the prefill pool's pressure
 (`decode_kv_waiting`). A new worker is added only onto free cores (`Snapshot.free_cpus`, the controller's count of
 cores no worker or router holds): a worker on a machine whose cores are all held slows every other one. When
-disaggregation does not pay with the threshold at its max, a prefill worker becomes decode (the colocated shape);
-with no prefill worker, TTFT over its SLO is the prefill pool's (every prompt prefilled locally), so a decode worker
-that can be spared comes back as a prefill worker.
+disaggregation does not pay with the threshold at its max, a prefill worker becomes decode (the colocated shape),
+and so does the only prefill worker when it is saturated and pressed with no free core for a second one (its queue
+grows while the decode worker's core has time; colocated, every core prefills). With no prefill worker, TTFT over its
+SLO is the prefill pool's (every prompt prefilled locally), so a decode worker that can be spared comes back as a
+prefill worker, unless those workers are saturated on held cores (the split would only move the same time).
 
 Where the pressures come from: the prefill pool's TTFT and prefill_queue share are router-wide, so
 they count only for the share of requests that went through a prefill worker (`local_share` went
@@ -239,7 +241,7 @@ class AdaptivePolicy:
             hot = {k: v for k, v in pressure[role].items() if v > 1.0}
             if hot and self._can_give(other, s, pressure[other]) and self._fits(role, s.signals(role).replicas + 1):
                 return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}", role)
-        idle = self._idle_gives(s, pressure)
+        idle = self._idle_gives(s, pressure) or self._saturated_split(s, pressure)
         if idle is not None:
             return idle
         cfg = self.config.adaptive
@@ -274,6 +276,21 @@ class AdaptivePolicy:
                                  f"a {role} worker becomes {other}", other)
         return None
 
+    def _saturated_split(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
+        """The only prefill worker is saturated and pressed, and no core is free for a second one: it becomes decode
+        (the colocated shape), so that every worker's spare time goes to prompts instead of one core's queue growing
+        while the other core waits on it. Not when the verdict says the split pays (decode could not absorb the
+        interference)."""
+        cfg = self.config.adaptive
+        hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
+        busy = s.busy.get("prefill", 0.0)
+        if (not hot or s.prefill.replicas != 1 or busy < cfg.busy_high or self._cores_for("prefill", 1, s)
+                or (s.verdict == "pays" and s.margin >= cfg.verdict_margin)
+                or not (self._fits("prefill", 0) and self._fits("decode", s.decode.replicas + 1))):
+            return None
+        return Candidate(("switch", "decode"), f"prefill saturated ({_hot(hot)}, workers {busy:.0%} busy) with no free core for "
+                         "another prefill worker: it becomes decode (colocated: every worker prefills)", "decode")
+
     def _can_give(self, role: str, s: Snapshot, pressure: dict[str, float]) -> bool:
         """`role`'s pool can lose a worker: within min_replicas, and below every threshold with one fewer
         (its workers' busy fraction too: the ones left must still have time for the work)."""
@@ -285,6 +302,9 @@ class AdaptivePolicy:
         # room is its ITL against the SLO (spread over the workers left like a load) and its KV
         if role == "prefill" and s.busy.get(role, 0.0) * spread >= self.config.adaptive.busy_high:
             return False
+        if role == "decode" and s.prefill.replicas == 0 and s.busy.get(role, 0.0) >= self.config.adaptive.busy_high \
+                and not self._cores_for("prefill", 1, s):
+            return False  # saturated colocated workers on held cores: a split only moves the same cores' time behind a hop
         spreads = LOAD_SIGNALS + (("itl",) if role == "decode" else ())
         return all((v * spread if k in spreads else v) < 1.0 for k, v in pressure.items() if v > 0)
 

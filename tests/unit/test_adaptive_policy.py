@@ -337,10 +337,37 @@ def test_with_no_prefill_worker_a_ttft_breach_brings_one_back_from_a_decode_work
     pools = PoolsConfig(prefill=PoolConfig(replicas=0, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=2, min_replicas=1, max_replicas=2))
     def snap(now: float, itl_s: float) -> Snapshot:
         return Snapshot(now, PoolSignals(0, ttft_s=2.5), PoolSignals(2, running_requests=4, kv_usage=0.2, itl_s=itl_s),
-                        local_prefill_threshold=1024, verdict="no data", busy={"decode": 0.9}, local_share=1.0, free_cpus=-0.25)
+                        local_prefill_threshold=1024, verdict="no data", busy={"decode": 0.6}, local_share=1.0, free_cpus=-0.25)
     assert policy(pools).pressure("prefill", snap(START, 0.03))["ttft"] == pytest.approx(2.5), "every TTFT is a local prefill's"
     plans = run(policy(pools), [snap(START + i * STEP, 0.03) for i in range(3)])
     assert [p.switch_to for p in plans] == [None, None, "prefill"] and all(p.resize is None for p in plans)
     assert all(p.local_prefill_threshold is None for p in plans), "no prefill worker: the threshold is not the lever"
     assert all(p.switch_to is None for p in run(policy(pools), [snap(START + i * STEP, 0.06) for i in range(4)])), \
         "one decode worker would break the ITL SLO (0.6x over two, 1.2x over one)"
+    saturated = [dataclasses.replace(snap(START + i * STEP, 0.03), busy={"decode": 0.95}) for i in range(4)]
+    assert all(p.switch_to is None for p in run(policy(pools), saturated)), \
+        "colocated workers saturated on held cores: a split only moves the same cores' time behind one more hop"
+    assert run(policy(pools), [dataclasses.replace(s, free_cpus=1.0) for s in saturated])[2].switch_to == "prefill", "a free core changes that"
+
+
+def test_a_saturated_only_prefill_worker_with_no_free_core_goes_colocated():
+    """1P/1D on two held cores, long prompts: the prefill worker's queue grows while the decode worker idles."""
+    pools = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=2))
+    def snap(now: float, **changes) -> Snapshot:
+        s = Snapshot(now, PoolSignals(1, queued_prompt_tokens=5000), PoolSignals(1, kv_usage=0.02, kv_waiting=0.9),
+                     verdict="no data", busy={"prefill": 0.99, "decode": 0.2}, free_cpus=-0.25)
+        return dataclasses.replace(s, **changes)
+    plans = run(policy(pools), [snap(START + i * STEP) for i in range(3)])
+    assert [p.switch_to for p in plans] == [None, None, "decode"]
+    assert "prefill saturated (decode_kv_waiting 1.12x, queued_prompt_tokens 5.00x, workers 99% busy)" in plans[-1].reasons[-1]
+    held_back = {
+        "a free core takes a second prefill worker instead": dict(free_cpus=1.0),
+        "unknown free cores do not hold anything back": dict(free_cpus=None),
+        "workers with time to spare are not saturated": dict(busy={"prefill": 0.5, "decode": 0.2}),
+        "the split pays: decode could not take the interference": dict(verdict="pays", margin=0.2),
+        "two prefill workers: the threshold, not a switch, sends prompts to decode": dict(prefill=PoolSignals(2, queued_prompt_tokens=10000)),
+    }
+    for why, changes in held_back.items():
+        assert all(p.switch_to != "decode" for p in run(policy(pools), [snap(START + i * STEP, **changes) for i in range(4)])), why
+    kept = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=1, max_replicas=1), decode=pools.decode)
+    assert all(p.switch_to is None for p in run(policy(kept), [snap(START + i * STEP) for i in range(4)])), "min_replicas holds"
