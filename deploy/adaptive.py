@@ -279,13 +279,12 @@ class AdaptivePolicy:
     def _saturated_split(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
         """The only prefill worker is saturated and pressed, and no core is free for a second one: it becomes decode
         (the colocated shape), so that every worker's spare time goes to prompts instead of one core's queue growing
-        while the other core waits on it. Not when the verdict says the split pays (decode could not absorb the
-        interference)."""
+        while the other core waits on it. The verdict does not hold it back: it weighs interference, and a queue that
+        only grows costs more (capacity first, as in the threshold lane)."""
         cfg = self.config.adaptive
         hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
         busy = s.busy.get("prefill", 0.0)
         if (not hot or s.prefill.replicas != 1 or busy < cfg.busy_high or self._cores_for("prefill", 1, s)
-                or (s.verdict == "pays" and s.margin >= cfg.verdict_margin)
                 or not (self._fits("prefill", 0) and self._fits("decode", s.decode.replicas + 1))):
             return None
         return Candidate(("switch", "decode"), f"prefill saturated ({_hot(hot)}, workers {busy:.0%} busy) with no free core for "

@@ -364,10 +364,11 @@ def test_a_saturated_only_prefill_worker_with_no_free_core_goes_colocated():
         "a free core takes a second prefill worker instead": dict(free_cpus=1.0),
         "unknown free cores do not hold anything back": dict(free_cpus=None),
         "workers with time to spare are not saturated": dict(busy={"prefill": 0.5, "decode": 0.2}),
-        "the split pays: decode could not take the interference": dict(verdict="pays", margin=0.2),
         "two prefill workers: the threshold, not a switch, sends prompts to decode": dict(prefill=PoolSignals(2, queued_prompt_tokens=10000)),
     }
     for why, changes in held_back.items():
         assert all(p.switch_to != "decode" for p in run(policy(pools), [snap(START + i * STEP, **changes) for i in range(4)])), why
+    pays = run(policy(pools), [snap(START + i * STEP, verdict="pays", margin=0.3) for i in range(3)])
+    assert pays[-1].switch_to == "decode", "a queue that only grows costs more than the interference the verdict weighs"
     kept = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=1, max_replicas=1), decode=pools.decode)
     assert all(p.switch_to is None for p in run(policy(kept), [snap(START + i * STEP) for i in range(4)])), "min_replicas holds"
