@@ -16,7 +16,8 @@ consecutive snapshots, and no sooner than its cooldown after the lane's last act
              plus its waiting stage's share of e2e (prefill_queue, decode_admission) over
              `queue_share`. A pressed pool takes a worker from the other pool by a role switch
              when that pool stays below its thresholds with one worker fewer and both stay within
-             [min_replicas, max_replicas]; only otherwise does the pool's autoscaler resize it.
+             [min_replicas, max_replicas]; only otherwise does the pool's autoscaler resize it
+             (a shrink only where the pool could give the worker away, see `_can_shrink`).
 
 Decode headroom is its latency and KV, not its busy fraction: more prompts go to decode workers only while every
 decode pressure (ITL against its SLO, KV, running) stays below `DECODE_ROOM`, and a decode pool gives a worker only
@@ -252,6 +253,7 @@ class AdaptivePolicy:
             return Candidate(("switch", "decode"), f"disaggregation does not pay ({s.margin:+.1%}) with the threshold at its max "
                              f"({s.local_prefill_threshold}): a prefill worker becomes decode (colocated)", "decode")
         changes = [(role, s.signals(role).replicas, d) for role, d in decisions.items() if d and d.replicas != s.signals(role).replicas]
+        changes = [(role, n, d) for role, n, d in changes if d.replicas > n or self._can_shrink(role, s, pressure[role])]
         if not changes:
             return None
         role, n, d = min(changes, key=lambda c: c[2].replicas < c[1])  # a pool that grows first
@@ -306,6 +308,15 @@ class AdaptivePolicy:
             return False  # saturated colocated workers on held cores: a split only moves the same cores' time behind a hop
         spreads = LOAD_SIGNALS + (("itl",) if role == "decode" else ())
         return all((v * spread if k in spreads else v) < 1.0 for k, v in pressure.items() if v > 0)
+
+    def _can_shrink(self, role: str, s: Snapshot, pressure: dict[str, float]) -> bool:
+        """A pool shrinks (the worker leaves, its work stays with the pool) only if it could give that worker away, and,
+        where its busy fraction is its load (a decode pool that prefills every prompt), the workers left keep time."""
+        n = s.signals(role).replicas
+        if not self._can_give(role, s, pressure):
+            return False
+        return not (role == "decode" and s.prefill.replicas == 0 and n > 1
+                    and s.busy.get(role, 0.0) * n / (n - 1) >= self.config.adaptive.busy_high)
 
     def _cores_for(self, role: str, workers: int, s: Snapshot) -> bool:
         """Whether `workers` more of `role` fit the free cores: a worker on cores that are all held would slow

@@ -372,3 +372,16 @@ def test_a_saturated_only_prefill_worker_with_no_free_core_goes_colocated():
     assert pays[-1].switch_to == "decode", "a queue that only grows costs more than the interference the verdict weighs"
     kept = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=1, max_replicas=1), decode=pools.decode)
     assert all(p.switch_to is None for p in run(policy(kept), [snap(START + i * STEP) for i in range(4)])), "min_replicas holds"
+
+
+def test_a_decode_pool_that_prefills_every_prompt_shrinks_only_if_the_workers_left_keep_time():
+    """Colocated (no prefill worker): the decode workers' busy fraction is their prompts' load too, which the
+    autoscaler's per-pool signals (running, KV, ITL) do not see; the worker that leaves takes none of it along."""
+    pools = PoolsConfig(prefill=PoolConfig(replicas=0, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=2, min_replicas=1, max_replicas=2))
+    def snap(now: float, busy: float) -> Snapshot:
+        return Snapshot(now, PoolSignals(0), PoolSignals(2, running_requests=1, kv_usage=0.05, itl_s=0.02), local_prefill_threshold=0,
+                        busy={"decode": busy}, local_share=1.0, free_cpus=-0.25)
+    busy = run(policy(pools), [snap(START + i * STEP, 0.6) for i in range(12)])
+    assert all(p.resize is None for p in busy), "two workers 60 % busy would leave one at 120 %"
+    quiet = run(policy(pools), [snap(START + i * STEP, 0.2) for i in range(12)])
+    assert ("decode", 1) in [p.resize for p in quiet]
