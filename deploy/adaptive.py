@@ -242,9 +242,9 @@ class AdaptivePolicy:
             hot = {k: v for k, v in pressure[role].items() if v > 1.0}
             if hot and self._can_give(other, s, pressure[other]) and self._fits(role, s.signals(role).replicas + 1):
                 return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}", role)
-        idle = self._idle_gives(s, pressure) or self._saturated_split(s, pressure)
-        if idle is not None:
-            return idle
+        given = self._idle_gives(s, pressure) or self._saturated_split(s, pressure)
+        if given is not None:
+            return given
         cfg = self.config.adaptive
         if (s.verdict == "does not pay" and s.margin <= -cfg.verdict_margin and s.local_prefill_threshold >= cfg.local_prefill_max
                 and self._fits("prefill", s.prefill.replicas - 1) and self._fits("decode", s.decode.replicas + 1)
