@@ -1,20 +1,25 @@
 """Paged attention for a packed batch, plugged into transformers through `AttentionInterface`.
 
 Per forward pass the ModelRunner builds one `AttentionMetadata` and passes it as the `paged` keyword
-argument of the model call; transformers forwards it untouched to every attention layer, which
-calls `paged_attention` with post-RoPE q/k/v for all scheduled tokens of all requests in one row:
+argument of the model call; transformers forwards it untouched to every attention layer, which calls
+`paged_attention` with post-RoPE q/k/v for all scheduled tokens of all requests in one row:
   1. the new k/v land in the layer's pool tensors at `slot_mapping`,
-  2. decode tokens (one query each, packed first, and speculative verifying rows: 1 + k queries each,
-     causal inside the row) attend to their context in one call of a `paged_decode` kernel that reads K and V where they lie in the pool (on CPU the C++ kernel of
-     engine.kernels: no copy, each row reads only its own blocks),
-  3. each prefill chunk attends causally to its prefix plus itself: a chunk with earlier context has
-     its blocks gathered into a reused workspace (no fresh allocation, so no page faults) for one SDPA
-     call; the gather is O(context) against the call's O(chunk x context) work,
-  4. `on_layer_written` (if set) is told the layer is complete, so a KV sender can ship it.
+  2. `attend` runs at most two calls for the whole step:
+     decode    rows through a `paged_decode` kernel that reads K and V where they lie in the pool. On a
+               CPU with the C++ kernel every request of the step is such a row: a decode (one query), a
+               request verifying proposed tokens (1 + k queries) or a prefill chunk (its n tokens), the
+               queries being the last positions of the row's context, causal inside the row; no gather,
+               no mask, each row reads only its own blocks (engine.kernels tiles long rows). On a GPU the
+               rows are the single-token decodes, padded to a fixed batch and table width
+               (graph-capturable: fixed shapes, lengths read on the device).
+     prefill   (GPU, and CPUs without the C++ kernel) all prefill chunks at once: their blocks (earlier
+               context and the chunk itself, already written to the pool) gathered with one
+               `index_select`, then one SDPA whose boolean mask lets each token see its own request's
+               keys up to its own position,
+  3. `on_layer_written` (if set) is told the layer is complete, so a KV sender can ship it.
 Everything that depends only on the batch (block tables, lengths, masks) is built once per step by the
-ModelRunner. No per-token Python.
-That is the CPU path. When `paged` is a `BatchedMetadata` (the GPU path), step 2-3 are
-engine.attention_batched's two calls for the whole batch instead.
+ModelRunner from plain lists (`decode_rows`, `prefill_batch`): a few small host arrays copied to the
+device once, then reused by every layer. No per-token Python.
 """
 
 from __future__ import annotations
@@ -22,55 +27,117 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
-from engine import attention_batched
-from engine.attention_batched import BatchedMetadata, DecodeBatch
 from engine.kv_cache import KVCache
 
-ATTN_IMPLEMENTATION = "pdserve_paged"
-
 
 @dataclass
-class PrefillChunk:
-    """One request's prefill tokens inside the packed batch."""
+class DecodeBatch:
+    """The rows one `paged_decode` kernel call attends per layer (the first `num_decode_tokens` packed tokens)."""
 
-    query_start: int
-    """Index of the chunk's first token in the packed batch."""
-    num_tokens: int
-    num_context_before: int
-    """Tokens of this request already in the pool before this chunk (prefix cache or earlier chunks)."""
     block_table: torch.Tensor
-    """[blocks] ids of the blocks holding the context and the chunk."""
-    mask: torch.Tensor | None = None
-    """[num_tokens, context + num_tokens] causal mask when there is earlier context, else None."""
+    """[B, W] int32 block ids per row (padding: the pool's scratch block)."""
+    context_lens: torch.Tensor
+    """[B] int32 keys per row, the new token included."""
+    kernel: Callable
+    query_starts: torch.Tensor | None = None
+    """[B + 1] int32 where each row's queries start when some row has several (verifying rows and prefill
+    chunks, CPU path); None: one each."""
 
 
 @dataclass
-class Workspace:
-    """Reused gather buffers (flat fp tensors) for K and V; grown on demand, never shrunk."""
-
-    key: torch.Tensor
-    value: torch.Tensor
-
-    def views(self, rows: int, row_numel: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.key[: rows * row_numel].view(rows, row_numel), self.value[: rows * row_numel].view(rows, row_numel)
+class PrefillBatch:
+    block_ids: torch.Tensor
+    """[N] long: the blocks of every prefill chunk's request (context + chunk), chunk after chunk."""
+    mask: torch.Tensor
+    """[1, 1, T, N * block_size] True where a chunk token may attend to a gathered key position."""
 
 
 @dataclass
 class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor
-    """[num_tokens] flat pool slot for each packed token."""
     num_decode_tokens: int
-    """The first `num_decode_tokens` packed tokens go through the decode kernel: single-token decodes and
-    verifying rows (a request's last token and its proposals, causal inside the row)."""
     decode: DecodeBatch | None
-    prefills: list[PrefillChunk]
-    workspace: Workspace
+    prefill: PrefillBatch | None
     on_layer_written: Callable[[int], None] | None = None
+
+
+def attend(q: torch.Tensor, meta: AttentionMetadata, layer: int, scaling: float | None) -> torch.Tensor:
+    """q [T, H, D] (the kernel's rows first) -> attention output [T, H, D]."""
+    kc, vc = meta.kv_cache.key_caches[layer], meta.kv_cache.value_caches[layer]
+    nd = meta.num_decode_tokens
+    parts = []
+    if meta.decode is not None:
+        d = meta.decode
+        parts.append(d.kernel(q[:nd], kc, vc, d.block_table, d.context_lens, scaling, query_starts=d.query_starts))
+    if meta.prefill is not None:
+        parts.append(_prefill(q[nd:], kc, vc, meta.prefill, scaling))
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: PrefillBatch, scaling: float | None) -> torch.Tensor:
+    hkv, d = kc.shape[2], kc.shape[3]
+    groups = q.shape[1] // hkv
+    # KV heads repeated: SDPA's fused kernels take a mask but not always GQA; the copy is small.
+    k = kc.index_select(0, p.block_ids).view(-1, hkv, d).transpose(0, 1).repeat_interleave(groups, dim=0)
+    v = vc.index_select(0, p.block_ids).view(-1, hkv, d).transpose(0, 1).repeat_interleave(groups, dim=0)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=p.mask, scale=scaling)
+    return out[0].transpose(0, 1)
+
+
+@dataclass
+class DecodeRows:
+    """Host arrays of a padded decode batch: what a step copies to the device (or into a graph's inputs)."""
+
+    input_ids: np.ndarray
+    positions: np.ndarray
+    slots: np.ndarray
+    block_table: np.ndarray
+    context_lens: np.ndarray
+
+
+def decode_rows(
+    tables: list[list[int]], num_computed: list[int], last_tokens: list[int], rows: int, width: int, block_size: int, scratch_block: int
+) -> DecodeRows:
+    """`rows` >= len(tables) rows; padding rows decode token 0 at position 0 into the scratch block."""
+    n = len(tables)
+    table = np.full((rows, width), scratch_block, dtype=np.int32)
+    for i, blocks in enumerate(tables):
+        used = min(len(blocks), width)
+        table[i, :used] = blocks[:used]
+    pos = np.zeros(rows, dtype=np.int64)
+    pos[:n] = num_computed
+    slots = np.full(rows, scratch_block * block_size, dtype=np.int64)
+    slots[:n] = table[np.arange(n), pos[:n] // block_size].astype(np.int64) * block_size + pos[:n] % block_size
+    ids = np.zeros(rows, dtype=np.int64)
+    ids[:n] = last_tokens
+    lens = np.ones(rows, dtype=np.int32)
+    lens[:n] = pos[:n] + 1
+    return DecodeRows(ids, pos, slots, table, lens)
+
+
+def prefill_batch(chunks: list[tuple[list[int], int, int]], block_size: int, device: torch.device) -> PrefillBatch:
+    """chunks: (request's block ids, tokens before the chunk, chunk tokens), in packed order."""
+    ids, q_owner, q_pos, k_owner, k_pos = [], [], [], [], []
+    for owner, (blocks, ctx, n) in enumerate(chunks):
+        used = -(-(ctx + n) // block_size)
+        ids.extend(blocks[:used])
+        q_owner.append(np.full(n, owner))
+        q_pos.append(np.arange(ctx, ctx + n))
+        k_owner.append(np.full(used * block_size, owner))
+        k_pos.append(np.arange(used * block_size))
+    qo, qp = torch.from_numpy(np.concatenate(q_owner)).to(device), torch.from_numpy(np.concatenate(q_pos)).to(device)
+    ko, kp = torch.from_numpy(np.concatenate(k_owner)).to(device), torch.from_numpy(np.concatenate(k_pos)).to(device)
+    mask = (qo.unsqueeze(1) == ko.unsqueeze(0)) & (kp.unsqueeze(0) <= qp.unsqueeze(1))
+    return PrefillBatch(torch.tensor(ids, dtype=torch.long, device=device), mask.view(1, 1, *mask.shape))
+
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
 
 
 def paged_attention(
@@ -81,31 +148,15 @@ def paged_attention(
     attention_mask: torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
-    paged: AttentionMetadata | BatchedMetadata | None = None,
+    paged: AttentionMetadata | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     if paged is None:
         raise RuntimeError("pdserve_paged attention called without AttentionMetadata (pass paged=...)")
     layer = module.layer_idx
     # query [1, H, T, D]; key/value [1, Hkv, T, D] -> token-major [T, Hkv, D] (views, no copy)
-    new_k = key[0].transpose(0, 1)
-    new_v = value[0].transpose(0, 1)
-    _write_kv(paged.kv_cache, layer, paged.slot_mapping, new_k, new_v)
-
-    q = query[0].transpose(0, 1)  # [T, H, D] view
-    if isinstance(paged, BatchedMetadata):
-        out = attention_batched.attend(q, paged, layer, scaling)
-        if paged.on_layer_written is not None:
-            paged.on_layer_written(layer)
-        return out.unsqueeze(0), None
-    out = query.new_empty(q.shape)
-    if paged.decode is not None:
-        d, nd = paged.decode, paged.num_decode_tokens
-        out[:nd] = d.kernel(q[:nd], paged.kv_cache.key_caches[layer], paged.kv_cache.value_caches[layer], d.block_table, d.context_lens, scaling,
-                            query_starts=d.query_starts)
-    for chunk in paged.prefills:
-        s, e = chunk.query_start, chunk.query_start + chunk.num_tokens
-        out[s:e] = _prefill_attention(q[s:e], new_k[s:e], new_v[s:e], chunk, paged, layer, scaling)
+    _write_kv(paged.kv_cache, layer, paged.slot_mapping, key[0].transpose(0, 1), value[0].transpose(0, 1))
+    out = attend(query[0].transpose(0, 1), paged, layer, scaling)
     if paged.on_layer_written is not None:
         paged.on_layer_written(layer)
     return out.unsqueeze(0), None
@@ -115,49 +166,6 @@ def _write_kv(cache: KVCache, layer: int, slots: torch.Tensor, k: torch.Tensor, 
     heads, dim = cache.layout.num_kv_heads, cache.layout.head_dim
     cache.key_caches[layer].view(-1, heads, dim).index_copy_(0, slots, k)
     cache.value_caches[layer].view(-1, heads, dim).index_copy_(0, slots, v)
-
-
-def _gather_blocks(meta: AttentionMetadata, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Copy whole blocks of one layer into the workspace: K, V `[len(block_table), block_size, Hkv, D]`."""
-    kc, vc = meta.kv_cache.key_caches[layer], meta.kv_cache.value_caches[layer]
-    num_blocks, row = kc.shape[0], kc[0].numel()
-    kbuf, vbuf = meta.workspace.views(block_table.numel(), row)
-    torch.index_select(kc.view(num_blocks, row), 0, block_table, out=kbuf)
-    torch.index_select(vc.view(num_blocks, row), 0, block_table, out=vbuf)
-    shape = (block_table.numel(),) + tuple(kc.shape[1:])
-    return kbuf.view(shape), vbuf.view(shape)
-
-
-def _prefill_attention(
-    q: torch.Tensor,
-    new_k: torch.Tensor,
-    new_v: torch.Tensor,
-    chunk: PrefillChunk,
-    meta: AttentionMetadata,
-    layer: int,
-    scaling: float | None,
-) -> torch.Tensor:
-    """q [n, H, D] of one request's chunk, causal over its earlier context plus the chunk."""
-    n = chunk.num_tokens
-    if chunk.num_context_before == 0:
-        k, v, mask, causal = new_k, new_v, None, True
-    else:
-        total = chunk.num_context_before + n
-        k, v = _gather_blocks(meta, layer, chunk.block_table)
-        hkv, d = k.shape[2], k.shape[3]
-        k = k.view(-1, hkv, d)[:total]
-        v = v.view(-1, hkv, d)[:total]
-        mask, causal = chunk.mask, False
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0),
-        k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0),
-        attn_mask=mask,
-        is_causal=causal,
-        scale=scaling,
-        enable_gqa=True,
-    )
-    return out[0].transpose(0, 1)
 
 
 def register() -> str:

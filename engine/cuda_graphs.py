@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from engine.attention_batched import BatchedMetadata, DecodeBatch, DecodeRows
+from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows
 from engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
@@ -79,7 +79,7 @@ class DecodeGraphs:
 
     def _forward(self, b: int) -> torch.Tensor:
         s = self._static
-        meta = BatchedMetadata(
+        meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=s["slots"][:b],
             num_decode_tokens=b,

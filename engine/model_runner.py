@@ -1,19 +1,20 @@
 """Run one scheduled step through the model: packed inputs in, logits of sampling requests out.
 
-Lifecycle per step: `execute(batch)` orders the batch (single-token decodes and speculative
-verifying rows first, then prefill chunks), builds token ids, positions and the slot mapping of every packed token, builds the
-`AttentionMetadata` (the decode rows' block tables and lengths for one `paged_decode` kernel call per
-layer, prefill chunks with their tables and masks: everything attention needs, once for all layers),
-runs the HF model once on the whole packed row with the paged attention function (on a CPU its linear
-layers take the small-matmul kernel for inputs of few rows: engine.small_matmul), and returns logits
-only for the requests whose last known token was computed. Batch bookkeeping is plain Python on ints,
-turned into a few tensors at the end; the prefill gather workspace is kept across steps. The decode
-kernel is `paged_decode.default_kernel`: the C++ kernel on CPU (built once per machine), triton on CUDA.
+Lifecycle per step: `execute(batch)` builds token ids, positions and the slot mapping of every packed
+token and the `AttentionMetadata` (block tables, lengths: everything attention needs, once for all
+layers), runs the HF model once on the whole packed row with the paged attention function
+(engine.attention), and returns logits only for the requests whose last known token was computed. Batch
+bookkeeping is plain Python on ints, turned into a few tensors at the end.
 
-On CUDA (or with `batched=True`, how the CPU tests run it) the step goes through
-engine.attention_batched instead: all prefill chunks in one SDPA call per layer, and a pure decode step (no prefill, no layer hook) whose batch fits `cuda_graph_max_batch`
-is padded to a bucket and replayed from a CUDA graph (engine.cuda_graphs) when the triton decode
-kernel is available. `set_decode_kernel` switches kernels (the device check measures both).
+On a CPU with the C++ kernel (engine.kernels, built once per machine) every request of the step is one
+row of one `paged_decode` kernel call per layer: decodes, verifying rows and prefill chunks alike, in
+the batch's order; its linear layers take the small-matmul kernel for inputs of few rows
+(engine.small_matmul). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU
+tests run the GPU path), single-token decodes go first through the decode kernel (triton on CUDA, the
+torch gather otherwise) and all prefill chunks follow in one SDPA call per layer; a pure decode step (no
+prefill, no layer hook) whose batch fits `cuda_graph_max_batch` is padded to a bucket and replayed from
+a CUDA graph (engine.cuda_graphs) when the triton decode kernel is available. `set_decode_kernel`
+switches kernels (the device check measures both).
 """
 
 from __future__ import annotations
@@ -25,8 +26,7 @@ import numpy as np
 import torch
 
 from engine import attention, paged_decode, small_matmul
-from engine.attention import AttentionMetadata, PrefillChunk, Workspace
-from engine.attention_batched import BatchedMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
+from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.step import StepItem
@@ -35,11 +35,6 @@ log = logging.getLogger(__name__)
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
-
-
-def _decode_kernel_row(item: StepItem) -> bool:
-    """CPU path: single-token decodes and verifying rows (last token + proposals) attend through the decode kernel."""
-    return item.num_tokens == 1 or item.num_proposed > 0
 
 
 class ModelRunner:
@@ -57,9 +52,6 @@ class ModelRunner:
         self.kv_cache = kv_cache
         self.device = torch.device(device)
         self.block_size = kv_cache.layout.block_size
-        self._block_numel = self.block_size * kv_cache.layout.num_kv_heads * kv_cache.layout.head_dim
-        dtype = kv_cache.layout.dtype
-        self.workspace = Workspace(torch.empty(0, dtype=dtype, device=self.device), torch.empty(0, dtype=dtype, device=self.device))
         self.batched = self.device.type == "cuda" if batched is None else batched
         self.max_blocks_per_seq = _cdiv(max_model_len or model.config.max_position_embeddings, self.block_size)
         self.cuda_graph_max_batch = cuda_graph_max_batch if self.device.type == "cuda" else 0
@@ -77,8 +69,10 @@ class ModelRunner:
             self.set_decode_kernel("torch")
 
     def set_decode_kernel(self, name: str) -> None:
-        """Use paged_decode.KERNELS[name] for batched decodes; (re)captures the CUDA graphs when they apply."""
+        """Use paged_decode.KERNELS[name] for decode rows; (re)captures the CUDA graphs when they apply. Only
+        the C++ kernel takes prefill chunks as rows: with any other the step takes the batched path."""
         self.decode_kernel = name
+        self.batched = self.batched or name != "cpp"
         self.graphs = None
         if self.cuda_graph_max_batch and name == "triton":
             graphs = DecodeGraphs(self.model, self.kv_cache, self.cuda_graph_max_batch, self.max_blocks_per_seq, paged_decode.KERNELS[name])
@@ -93,12 +87,15 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        order = [i for i, s in enumerate(batch) if _decode_kernel_row(s)]
-        num_decodes = len(order)
-        order += [i for i, s in enumerate(batch) if not _decode_kernel_row(s)]
-        ordered = [batch[i] for i in order]
-        input_ids, positions, slots, sampling_rows = self._pack(ordered)
-        meta = self._metadata(ordered, num_decodes, slots, on_layer_written)
+        input_ids, positions, slots, sampling_rows = self._pack(batch)
+        meta = AttentionMetadata(
+            kv_cache=self.kv_cache,
+            slot_mapping=slots,
+            num_decode_tokens=len(input_ids),
+            decode=self._decode_batch(batch),
+            prefill=None,
+            on_layer_written=on_layer_written,
+        )
         out = self.model(
             input_ids=input_ids.unsqueeze(0),
             position_ids=positions.unsqueeze(0),
@@ -106,7 +103,7 @@ class ModelRunner:
             logits_to_keep=sampling_rows,
             paged=meta,
         )
-        return order, out.logits[0]
+        return list(range(len(batch))), out.logits[0]
 
     def _pack(self, ordered: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         bs = self.block_size
@@ -129,41 +126,9 @@ class ModelRunner:
             torch.tensor(sampling_rows, dtype=torch.long, device=dev),
         )
 
-    def _metadata(
-        self,
-        ordered: list[StepItem],
-        num_decodes: int,
-        slots: torch.Tensor,
-        on_layer_written: Callable[[int], None] | None,
-    ) -> AttentionMetadata:
-        prefills: list[PrefillChunk] = []
-        start = num_decodes
-        most_blocks = 0
-        for item in ordered[num_decodes:]:
-            ctx, n = item.start, item.num_tokens
-            num_blocks = _cdiv(ctx + n, self.block_size)
-            table = torch.tensor(item.block_ids[:num_blocks], dtype=torch.long, device=self.device)
-            mask = None
-            if ctx:
-                rows = torch.arange(ctx, ctx + n, device=self.device).unsqueeze(1)
-                mask = torch.arange(ctx + n, device=self.device).unsqueeze(0) <= rows
-                most_blocks = max(most_blocks, num_blocks)
-            prefills.append(PrefillChunk(start, n, ctx, table, mask))
-            start += n
-        self._reserve(most_blocks)
-        return AttentionMetadata(
-            kv_cache=self.kv_cache,
-            slot_mapping=slots,
-            num_decode_tokens=sum(s.num_tokens for s in ordered[:num_decodes]),
-            decode=self._decode_batch(ordered[:num_decodes]),
-            prefills=prefills,
-            workspace=self.workspace,
-            on_layer_written=on_layer_written,
-        )
-
     def _decode_batch(self, decodes: list[StepItem]) -> DecodeBatch | None:
-        """The decode rows' block tables (as wide as the longest context) and lengths, for the decode kernel;
-        with verifying rows (1 + k queries each) also where each row's queries start."""
+        """The kernel rows' block tables (as wide as the longest context) and lengths; with rows of several
+        queries (verifying rows, prefill chunks) also where each row's queries start."""
         if not decodes:
             return None
         width = max(_cdiv(s.start + s.num_tokens, self.block_size) for s in decodes)
@@ -175,13 +140,6 @@ class ModelRunner:
         lens = np.array([s.start + s.num_tokens for s in decodes], dtype=np.int32)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
         return DecodeBatch(self._to_device(rows.block_table), self._to_device(lens), kernel, self._to_device(starts))
-
-    def _reserve(self, num_blocks: int) -> None:
-        need = num_blocks * self._block_numel
-        if self.workspace.key.numel() < need:
-            like = self.workspace.key
-            self.workspace.key = torch.empty(need, dtype=like.dtype, device=like.device)
-            self.workspace.value = torch.empty(need, dtype=like.dtype, device=like.device)
 
     # ---- batched path (CUDA) -------------------------------------------------------------------
     def _execute_batched(
@@ -200,7 +158,7 @@ class ModelRunner:
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
         decode = self._decode_batch(decodes)
         chunks = [(s.block_ids, s.start, s.num_tokens) for s in ordered[len(decodes) :]]
-        meta = BatchedMetadata(
+        meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
             num_decode_tokens=len(decodes),

@@ -16,8 +16,9 @@ Three kernels compute the same thing:
           loop), its G = H / Hkv query heads share each K/V load (as rows of a `tl.dot`, padded to
           16), operands and online softmax in fp32. The table width costs
           nothing, so one table as wide as `max_model_len` serves every step (graphs).
-  cpp     the CPU kernel of engine.kernels (built once per machine): one task per row walks the row's
-          own blocks in place, K then V, each KV row read once for its G query heads.
+  cpp     the CPU kernel of engine.kernels (built once per machine): one task per row (per 32 queries of a
+          long row) walks the row's own blocks in place, K then V, each KV row read once for its G query
+          heads. On a CPU it attends prefill chunks too (rows of many queries; engine.attention).
 The cpp kernel takes several queries per row natively (each K/V row read once for all of them); torch
 and triton get `one_query_rows`: every query becomes a row of its own (its request's table, its own length).
 `TRITON_INTERPRET=1` runs the triton kernel on CPU (numpy), which is how it is tested without a GPU

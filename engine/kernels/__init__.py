@@ -8,7 +8,8 @@ waits for a compile), then imports the built module; later calls and later proce
 covers the sources, torch's version and the CPU's model and flags, so a cache shared between different
 machines never loads a foreign build. When no compiler is there, `load()` returns None and
 `unavailable_reason()` says why; the engine then decodes with the torch gather kernel
-(engine.paged_decode) and runs every linear layer through torch, and logs that reason.
+(engine.paged_decode), prefills through SDPA (engine.attention's batched path) and runs every linear
+layer through torch, and logs that reason.
 """
 
 from __future__ import annotations

@@ -1,18 +1,21 @@
-// Decode attention that reads K and V where they live in the paged pool (CPU, fp32 and bf16).
+// Attention that reads K and V where they live in the paged pool (CPU, fp32 and bf16): decodes, requests
+// verifying proposed tokens and prefill chunks alike.
 //
-// One task per row. A row is one request: its block table, its context length, and its queries, the
-// last `n` positions of that context (n = 1 for a decode; 1 + k for a request verifying k proposed
-// tokens, whose query i sees the context up to its own position: causal inside the row). K pass: the
-// row's blocks in table order (each block one contiguous run of bytes, prefetched one block ahead),
-// 16 keys at a time: their rows of a KV head are converted to fp32 once and dotted with the G = H / Hkv
-// query heads of every query that share it. Each query head's scores (a few KB) are softmaxed in fp32
-// over its own keys; the keys past a query's position get weight 0. V pass: per KV head, up to four
-// (query, head) pairs accumulate in registers while that head's V rows stream by. No workspace, no
-// padding: a row reads exactly `context_lens[row]` keys, and a query gives bit for bit what a one-query
-// row of its own length gives. The row's token offsets into the pool are computed once (no division per
-// key and head). A bf16 pool on a CPU with AVX512-BF16 (head sizes that are multiples of 32) skips the
-// fp32 conversions: both passes use the bf16 dot-product instruction on the rows as stored (products exact
-// in fp32, sums in fp32; in the V pass two keys' rows interleaved dim by dim).
+// A row is one request: its block table, its context length, and its queries, the last `n` positions of
+// that context (n = 1 for a decode; 1 + k for a request verifying k proposed tokens; the chunk's tokens
+// for a prefill chunk), query i seeing the context up to its own position (causal inside the row). A row
+// of many queries is cut into tiles of kQueryTile queries (tasks_of), one task each; a decode row is one
+// task. Per task, K pass: the row's blocks in table order (each block one contiguous run of bytes,
+// prefetched kPrefetchBlocks ahead), 16 keys at a time: their rows of a KV head are converted to fp32
+// once and dotted with the G = H / Hkv query heads of every query that share it. Each query head's scores
+// (a few KB) are softmaxed in fp32 over its own keys; the keys past a query's position get weight 0.
+// V pass: per KV head, a few (query, head) pairs accumulate in registers while that head's V rows stream
+// by, as far as the last of those queries sees. No workspace, no padding: a task reads exactly the keys
+// its last query sees, and a query gives bit for bit what a one-query row of its own length gives. The
+// row's token offsets into the pool are computed once (no division per key and head). A bf16 pool on a
+// CPU with AVX512-BF16 (head sizes that are multiples of 32) skips the fp32 conversions: both passes use
+// the bf16 dot-product instruction on the rows as stored (products exact in fp32, sums in fp32; in the V
+// pass two keys' rows interleaved dim by dim against their two weights packed in 32 bits).
 // Shapes: q [T, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous); block_table [B, W]
 // int32 or int64; context_lens [B] (same dtype); query_starts [B + 1] (same dtype, optional: row b's
 // queries are q[query_starts[b] : query_starts[b + 1]]; without it T = B, one query per row); returns
@@ -333,9 +336,10 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
             (__m512bh)_mm512_loadu_si512(q + (first_query + i) * g.q_row + h * g.q_head + c * 2 * kLanes);
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
-    for (int64_t t = 0; t < n; ++t)
-      if ((first + t) % g.block_size == 0) prefetch_block(key, table, (first + t) / g.block_size + 1, num_blocks, g);
+    const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
+      prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
+                    tiles_per_block * g.kv_heads);
       __m512bh k[kLanes][pairs];
       for (int64_t t = 0; t < kLanes; ++t)
         for (int c = 0; c < pairs; ++c)
@@ -358,66 +362,93 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
   }
 }
 
-inline uint32_t bf16_bits(float x) {  // x holds a bf16 value (softmax_rows rounded it): its top half
-  uint32_t bits;
-  std::memcpy(&bits, &x, sizeof bits);
-  return bits >> 16;
+// In place: each (query, head) pair's weights (softmax_rows left them fp32 values that bf16 holds exactly)
+// become the bf16 values of two consecutive keys per 32 bits, (t, t + 1) for even t, a zero after an odd
+// count: the V pass broadcasts one such pair per two keys. Row h's pairs start where its floats started.
+inline void pack_weight_pairs(float* weights, int64_t rows, int64_t length) {
+  const int64_t padded = length + (length & 1);
+  for (int64_t h = 0; h < rows; ++h) {
+    const float* row = weights + h * length;
+    auto* packed = reinterpret_cast<uint16_t*>(weights + h * length);
+    for (int64_t t = 0; t < padded; t += 2 * kLanes) {  // reads [4t, 4t + 128) bytes, then writes [2t, 2t + 64)
+      const int64_t n = std::min<int64_t>(2 * kLanes, length - t);
+      const __mmask16 low = n >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << n) - 1);
+      const __mmask16 high = n >= 2 * kLanes ? 0xFFFF : n > kLanes ? static_cast<__mmask16>((1u << (n - kLanes)) - 1) : 0;
+      const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + t + kLanes), _mm512_maskz_loadu_ps(low, row + t));
+      const int64_t stored = std::min<int64_t>(2 * kLanes, padded - t);
+      _mm512_mask_storeu_epi16(packed + t, stored >= 2 * kLanes ? ~0u : (1u << stored) - 1, (__m512i)both);
+    }
+  }
 }
 
 // weigh_values for a bf16 pool on a CPU with AVX512-BF16: two keys at a time, their V rows interleaved dim by
-// dim (one unpack per 32 dims) and multiplied by the pair of their weights with the bf16 dot-product
-// instruction; the unpack's lane order is undone once at the end.
-constexpr int kValueHeadsBf16 = 4;
-
+// dim (one unpack per 32 dims) and multiplied by the pair of their weights (pack_weight_pairs) with the bf16
+// dot-product instruction; the unpack's lane order is undone once at the end. N (query, head) pairs of one
+// KV head at a time, each with 2 * pairs accumulators in registers.
 template <int D>
-void weigh_values_bf16(const float* weights, int64_t queries, const at::BFloat16* value, const int64_t* offsets,
+constexpr int kValueHeadsBf16 = std::max(1, std::min(6, (kVectorRegisters - 2 - D / kLanes) / (D / kLanes)));
+
+template <int D, int N, typename index_t>
+void weigh_pairs_bf16(const uint32_t* weights, const int64_t* heads, int64_t stride, int64_t visible, const at::BFloat16* pool,
+                      int64_t kvh, const index_t* table, const int64_t* offsets, const Geometry& g, bool prefetch, float* acc) {
+  constexpr int pairs = D / (2 * kLanes);
+  const at::BFloat16* value = pool + kvh * g.k_head;
+  const int64_t num_blocks = (visible + g.block_size - 1) / g.block_size, parts = std::max<int64_t>(1, g.block_size / 2);
+  __m512 sums[N][2 * pairs];
+  for (auto& head : sums)
+    for (auto& v : head) v = _mm512_setzero_ps();
+  for (int64_t pos = 0; pos < visible; pos += 2) {
+    if (prefetch)  // the first sweep over the row's V rows: the rest find them in cache
+      prefetch_part(pool, table, pos / g.block_size + kPrefetchBlocks, num_blocks, g, (pos % g.block_size) / 2, parts);
+    const bool two = pos + 1 < visible;
+    const at::BFloat16* a = value + offsets[pos];
+    const at::BFloat16* b = two ? value + offsets[pos + 1] : nullptr;
+    __m512i lo[pairs], hi[pairs];
+    for (int c = 0; c < pairs; ++c) {
+      const __m512i va = _mm512_loadu_si512(a + c * 2 * kLanes);
+      const __m512i vb = two ? _mm512_loadu_si512(b + c * 2 * kLanes) : _mm512_setzero_si512();
+      lo[c] = _mm512_unpacklo_epi16(va, vb);
+      hi[c] = _mm512_unpackhi_epi16(va, vb);
+    }
+    for (int j = 0; j < N; ++j) {
+      const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[heads[j] * stride + pos / 2]));
+      for (int c = 0; c < pairs; ++c) {
+        sums[j][2 * c] = _mm512_dpbf16_ps(sums[j][2 * c], (__m512bh)lo[c], p);
+        sums[j][2 * c + 1] = _mm512_dpbf16_ps(sums[j][2 * c + 1], (__m512bh)hi[c], p);
+      }
+    }
+  }
+  for (int j = 0; j < N; ++j) {
+    float* o = acc + heads[j] * D;
+    for (int c = 0; c < pairs; ++c) {
+      alignas(64) float low[kLanes], high[kLanes];
+      _mm512_store_ps(low, sums[j][2 * c]);
+      _mm512_store_ps(high, sums[j][2 * c + 1]);
+      for (int lane = 0; lane < kLanes; ++lane) {  // unpack lane -> dim: 8 dims per 128-bit lane, 4 from each half
+        const int dim = c * 2 * kLanes + 8 * (lane / 4) + lane % 4;
+        o[dim] = low[lane];
+        o[dim + 4] = high[lane];
+      }
+    }
+  }
+}
+
+template <int D, typename index_t>
+void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* value, const index_t* table, const int64_t* offsets,
                        int64_t length, const Geometry& g, float* acc) {
-  constexpr int pairs = D / (2 * kLanes), block = kValueHeadsBf16;
+  constexpr int block = kValueHeadsBf16<D>;
   const int64_t group = g.heads / g.kv_heads, count_all = queries * group;
+  pack_weight_pairs(weights, queries * g.heads, length);
+  const auto* packed = reinterpret_cast<const uint32_t*>(weights);
   for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
     for (int64_t first = 0; first < count_all; first += block) {
       const int64_t count = std::min<int64_t>(block, count_all - first);
       int64_t heads[block];
       for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
       const int64_t visible = visible_keys(length, queries, (first + count - 1) / group);
-      __m512 sums[block][2 * pairs];
-      for (auto& head : sums)
-        for (auto& v : head) v = _mm512_setzero_ps();
-      for (int64_t pos = 0; pos < visible; pos += 2) {
-        const bool two = pos + 1 < visible;
-        const at::BFloat16* a = value + offsets[pos] + kvh * g.k_head;
-        const at::BFloat16* b = two ? value + offsets[pos + 1] + kvh * g.k_head : nullptr;
-        __m512i lo[pairs], hi[pairs];
-        for (int c = 0; c < pairs; ++c) {
-          const __m512i va = _mm512_loadu_si512(a + c * 2 * kLanes);
-          const __m512i vb = two ? _mm512_loadu_si512(b + c * 2 * kLanes) : _mm512_setzero_si512();
-          lo[c] = _mm512_unpacklo_epi16(va, vb);
-          hi[c] = _mm512_unpackhi_epi16(va, vb);
-        }
-        for (int j = 0; j < block; ++j) {
-          if (j >= count) break;
-          const float* w = weights + heads[j] * length + pos;
-          const uint32_t both = bf16_bits(w[0]) | (two ? bf16_bits(w[1]) << 16 : 0u);
-          const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(both));
-          for (int c = 0; c < pairs; ++c) {
-            sums[j][2 * c] = _mm512_dpbf16_ps(sums[j][2 * c], (__m512bh)lo[c], p);
-            sums[j][2 * c + 1] = _mm512_dpbf16_ps(sums[j][2 * c + 1], (__m512bh)hi[c], p);
-          }
-        }
-      }
-      for (int64_t j = 0; j < count; ++j) {
-        float* o = acc + heads[j] * D;
-        for (int c = 0; c < pairs; ++c) {
-          alignas(64) float low[kLanes], high[kLanes];
-          _mm512_store_ps(low, sums[j][2 * c]);
-          _mm512_store_ps(high, sums[j][2 * c + 1]);
-          for (int lane = 0; lane < kLanes; ++lane) {  // unpack lane -> dim: 8 dims per 128-bit lane, 4 from each half
-            const int dim = c * 2 * kLanes + 8 * (lane / 4) + lane % 4;
-            o[dim] = low[lane];
-            o[dim + 4] = high[lane];
-          }
-        }
-      }
+      with_count<block>(count, [&](auto size) {
+        weigh_pairs_bf16<D, decltype(size)::value>(packed, heads, length, visible, value, kvh, table, offsets, g, kvh == 0 && first == 0, acc);
+      });
     }
   }
 }
@@ -426,8 +457,8 @@ constexpr bool kBf16Dot = false;
 template <int D, typename index_t>
 void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, const at::BFloat16*, const index_t*, const int64_t*, int64_t,
                      const Geometry&, float*) {}
-template <int D>
-void weigh_values_bf16(const float*, int64_t, const at::BFloat16*, const int64_t*, int64_t, const Geometry&, float*) {}
+template <int D, typename index_t>
+void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const index_t*, const int64_t*, int64_t, const Geometry&, float*) {}
 #endif
 
 // One row: queries q[first_query : first_query + queries], the last `queries` positions of `length` keys.
@@ -459,7 +490,7 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
   softmax_rows<scalar_t>(scores, queries, g.heads, length, inverse_sums);
   prefetch_first_blocks(value, table, length, g);
   if constexpr (bf16_dot)
-    weigh_values_bf16<D>(scores, queries, value, offsets, length, g, acc);
+    weigh_values_bf16<D>(scores, queries, value, table, offsets, length, g, acc);
   else
     weigh_values<D>(scores, queries, value, table, offsets, length, g, acc);
   for (int64_t i = 0; i < queries; ++i) {
@@ -471,32 +502,56 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
   }
 }
 
+// A row with many queries (a prefill chunk) is cut into tiles of kQueryTile queries, each attended as a row
+// of its own: the tile's queries are the last positions of the keys up to its last query, so a tile reads
+// only the keys it sees (causal: the first tile of a prompt reads its first kQueryTile keys) and its scores
+// ([tile queries * H, keys] floats) stay in the core's cache. A query gives bit for bit the same whatever
+// its tile (weights past a query's position are exactly 0).
+constexpr int64_t kQueryTile = 32;
+
+struct Task {
+  int64_t row, first_query, queries, length;
+};
+
+template <typename index_t>
+std::vector<Task> tasks_of(const index_t* lens, const index_t* starts, int64_t rows, const Geometry& g) {
+  std::vector<Task> tasks;
+  tasks.reserve(rows);
+  for (int64_t row = 0; row < rows; ++row) {
+    const int64_t length = static_cast<int64_t>(lens[row]);
+    const int64_t first = starts ? static_cast<int64_t>(starts[row]) : row;
+    const int64_t queries = starts ? static_cast<int64_t>(starts[row + 1]) - first : 1;
+    TORCH_CHECK(length >= 1 && length <= g.table_width * g.block_size, "context_lens[", row, "] = ", length,
+                " is outside [1, table width * block size]");
+    TORCH_CHECK(queries >= 1 && queries <= length, "row ", row, " has ", queries, " queries for ", length, " keys");
+    for (int64_t begin = 0; begin < queries; begin += kQueryTile) {
+      const int64_t end = std::min(queries, begin + kQueryTile);
+      tasks.push_back({row, first + begin, end - begin, length - queries + end});
+    }
+  }
+  return tasks;
+}
+
 template <typename scalar_t, typename index_t>
 void run(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, const at::Tensor& table,
          const at::Tensor& lens, const index_t* starts, float scale, at::Tensor& out) {
   const Geometry g{q.size(1), key.size(2), q.size(2), key.size(1), table.size(1),
                    q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), out.stride(0), out.stride(1)};
-  const int64_t rows = lens.size(0);
   const auto* qp = q.data_ptr<scalar_t>();
   const auto* kp = key.data_ptr<scalar_t>();
   const auto* vp = value.data_ptr<scalar_t>();
   const auto* tp = table.data_ptr<index_t>();
-  const auto* lp = lens.data_ptr<index_t>();
   auto* op = out.data_ptr<scalar_t>();
-  at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
+  const std::vector<Task> tasks = tasks_of(lens.data_ptr<index_t>(), starts, lens.size(0), g);
+  at::parallel_for(0, static_cast<int64_t>(tasks.size()), 1, [&](int64_t begin, int64_t end) {
     Scratch scratch;
-    for (int64_t row = begin; row < end; ++row) {
-      const int64_t length = static_cast<int64_t>(lp[row]);
-      const int64_t first = starts ? static_cast<int64_t>(starts[row]) : row;
-      const int64_t queries = starts ? static_cast<int64_t>(starts[row + 1]) - first : 1;
-      TORCH_CHECK(length >= 1 && length <= g.table_width * g.block_size, "context_lens[", row, "] = ", length,
-                  " is outside [1, table width * block size]");
-      TORCH_CHECK(queries >= 1 && queries <= length, "row ", row, " has ", queries, " queries for ", length, " keys");
-      const index_t* row_table = tp + row * g.table_width;
+    for (int64_t i = begin; i < end; ++i) {
+      const Task& t = tasks[i];
+      const index_t* row_table = tp + t.row * g.table_width;
       switch (g.dim) {
-#define PDSERVE_HEAD_DIM(D)                                                                  \
-  case D:                                                                                    \
-    attend_row<D>(qp, kp, vp, row_table, length, first, queries, scale, g, op, scratch); \
+#define PDSERVE_HEAD_DIM(D)                                                                                 \
+  case D:                                                                                                   \
+    attend_row<D>(qp, kp, vp, row_table, t.length, t.first_query, t.queries, scale, g, op, scratch); \
     break;
         PDSERVE_HEAD_DIMS(PDSERVE_HEAD_DIM)
 #undef PDSERVE_HEAD_DIM

@@ -20,7 +20,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from common.validation import ConfigError
 from engine import EngineConfig, SamplingParams
-from engine.attention_batched import decode_rows
+from engine.attention import decode_rows
 from engine.cuda_graphs import DecodeGraphs, buckets
 from engine.model_loader import LoadedModel
 from engine.paged_decode import KERNELS, decode_torch

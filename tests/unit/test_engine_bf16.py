@@ -1,7 +1,8 @@
 """bfloat16: the engine's greedy output against transformers' `generate` in bfloat16 on the same model.
 
-Two bf16 implementations round differently (the engine's paged attention and batched GEMMs vs HF's
-SDPA on one sequence), so a near tie between the top two tokens can flip and the continuations part.
+Two bf16 implementations round differently (the engine's paged attention kernel, for prompts as for
+decodes, and batched GEMMs vs HF's SDPA on one sequence), so a near tie between the top two tokens can
+flip and the continuations part.
 Acceptance (issue #17): at least 90 % of the held-in prompts identical over 32 tokens; every other
 prompt's first divergence is a tie under HF (both tokens' logprobs within MAX_TIE_GAP), and is printed.
 Both sides stop at EOS (with `ignore_eos` the engine may emit EOS where HF's `min_new_tokens` forbids it).
@@ -22,8 +23,8 @@ from tests.conftest import assert_no_leaked_blocks, make_engine, run_to_completi
 MAX_NEW = 32
 MIN_IDENTICAL = 0.9
 MAX_TIE_GAP = 0.25
-"""Nats between HF's token and the engine's at the first divergence, under HF. The logits are bf16,
-whose spacing is 0.125 for |logit| in [16, 32): a tie is a difference of one or two such steps."""
+"""Nats between HF's token and the engine's at the first divergence, under HF, at most. The logits are
+bf16, whose spacing is 0.125 for |logit| in [16, 32): a tie is a difference of one or two such steps."""
 
 
 @pytest.fixture(scope="module")
@@ -70,7 +71,7 @@ def test_engine_bf16_matches_hf_bf16_greedy(bf16_model, hf_bf16, demo_prompt_ids
         print(f"prompt {i}: first divergence at token {at}: HF {theirs[at]} logprob {hf_lp:.4f}, "
               f"engine {ours[at]} logprob {our_lp:.4f} (gap {hf_lp - our_lp:.4f} nats)")
     print(f"{identical}/{len(demo_prompt_ids)} prompts identical over {MAX_NEW} tokens")
-    assert all(0 <= g < MAX_TIE_GAP for g in gaps), f"a divergence that is no tie under HF: gaps {gaps}"
+    assert all(0 <= g <= MAX_TIE_GAP for g in gaps), f"a divergence that is no tie under HF: gaps {gaps}"
     assert_no_leaked_blocks(engine)
     if identical < MIN_IDENTICAL * len(demo_prompt_ids):
         # Every divergence is a tie (asserted above); the share of identical prompts is issue #17's open

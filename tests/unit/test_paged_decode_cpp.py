@@ -129,3 +129,29 @@ def test_bad_query_starts_are_refused():
     too_many[1:] += 100
     with pytest.raises(RuntimeError, match="from 0 to T"):
         decode_cpp(q, key, value, table, lens, None, query_starts=too_many)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prefill_chunk_is_a_row_of_many_queries(dtype):
+    """A chunk of 100 prompt tokens after 40 cached ones (several of the kernel's query tiles) and a whole
+    70-token prompt, next to a plain decode: each query sees its context up to its own position, bit for
+    bit what it gives as a one-query row of its own."""
+    g = torch.Generator().manual_seed(2)
+    key = torch.randn(40, 16, 3, 64, generator=g).to(dtype)
+    value = torch.randn(40, 16, 3, 64, generator=g).to(dtype)
+    table = torch.randperm(39, generator=g)[:27].view(3, 9).int()
+    lens = torch.tensor([140, 33, 70], dtype=torch.int32)
+    counts = [100, 1, 70]
+    starts = torch.tensor([0, 100, 101, 171], dtype=torch.int32)
+    q = torch.randn(171, 9, 64, generator=g).to(dtype)
+    got = decode_cpp(q, key, value, table, lens, None, query_starts=starts)
+    tables, lengths = [], []
+    for row, n in enumerate(counts):
+        tables += [table[row]] * n
+        lengths += [int(lens[row]) - n + 1 + i for i in range(n)]
+    tables, lengths = torch.stack(tables), torch.tensor(lengths, dtype=torch.int32)
+    exact = decode_torch(q.float(), key.float(), value.float(), tables.long(), lengths.long(), None)
+    # bf16: the output's rounding (relative) and the weights' (softmax_rows rounds them as torch's flash attention does)
+    rtol, atol = (1e-5, 2e-6) if dtype == torch.float32 else (2**-8, 2**-8)
+    torch.testing.assert_close(got.float(), exact, rtol=rtol, atol=atol)
+    assert torch.equal(got, decode_cpp(q, key, value, tables, lengths, None))
