@@ -98,6 +98,16 @@ inline void token_offsets(const index_t* table, int64_t length, const Geometry& 
   }
 }
 
+// Ask for the cache line at `address`. GCC deletes a loop of __builtin_prefetch (or _mm_prefetch) calls as
+// free of side effects, so the request is an asm statement, which it keeps.
+inline void prefetch_line(const char* address) {
+#if defined(__x86_64__)
+  asm volatile("prefetcht0 %0" : : "m"(*address));
+#else
+  __builtin_prefetch(address);
+#endif
+}
+
 // Ask for part `part` of `parts` of block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
 // a row's blocks are scattered over the pool, which the hardware prefetchers cannot guess.
 template <typename scalar_t, typename index_t>
@@ -107,7 +117,7 @@ inline void prefetch_part(const scalar_t* pool, const index_t* table, int64_t in
   const char* start = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[index]) * g.k_block);
   const int64_t lines = (g.block_size * g.k_token * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
   const int64_t per_part = (lines + parts - 1) / parts;
-  for (int64_t line = part * per_part; line < std::min(lines, (part + 1) * per_part); ++line) __builtin_prefetch(start + line * 64);
+  for (int64_t line = part * per_part; line < std::min(lines, (part + 1) * per_part); ++line) prefetch_line(start + line * 64);
 }
 
 template <typename scalar_t, typename index_t>
