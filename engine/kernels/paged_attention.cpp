@@ -72,7 +72,7 @@ inline float exp_nonpositive(float x) {
 }
 
 // Pool blocks requested ahead of the one being read: enough reads in flight to stream the pool.
-constexpr int64_t kPrefetchBlocks = 2;
+constexpr int64_t kPrefetchBlocks = 1;
 
 // Head sizes the kernel is compiled for (multiples of 16 lanes); `supported_head_dims()` lists them.
 #define PDSERVE_HEAD_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(128) X(256)
@@ -158,61 +158,47 @@ inline void with_count(int64_t count, F&& f) {
 }
 
 // scores[(i * H + h) * length + t] = q_{i,h} . K_t for every (scaled) query head h of every query i and
-// every key t of the row, kLanes keys at a time: the keys' rows of a KV head are converted once into a tile,
-// then kScoreHeads query heads at a time (their queries held in half the registers) take one vertical
-// multiply-add per kLanes dims and key, and one transposing sum per kLanes keys.
-template <int D>
-constexpr int kScoreHeads = std::max(1, std::min(4, kVectorRegisters / 2 / (D / kLanes)));
-
-template <int D, int N>
-inline void score_tile(const vf (&tile)[kLanes][D / kLanes], const float* qf, const int64_t* heads, int64_t length,
-                       int64_t first, int64_t n, float* scores) {
+// every key t of the row, kLanes keys at a time: per KV head, each query head that shares it takes one
+// vertical multiply-add per kLanes dims and key, the keys' rows read from memory (L1 after the first
+// head: a tile of them in registers would not fit beside the partial sums), and one transposing sum per
+// kLanes keys.
+template <int D, typename scalar_t>
+inline void score_head(const scalar_t* const (&rows)[kLanes], const float* qh, int64_t n, float* out) {
   constexpr int chunks = D / kLanes;
-  vf qr[N][chunks];
-  for (int j = 0; j < N; ++j) load_vectors<chunks>(qf + heads[j] * D, qr[j]);
-  vf partial[N][kLanes];
+  vf qr[chunks];
+  load_vectors<chunks>(qh, qr);
+  vf partial[kLanes];
   for (int t = 0; t < kLanes; ++t) {
-    for (int j = 0; j < N; ++j) {
-      vf sum = qr[j][0] * tile[t][0];
-      for (int c = 1; c < chunks; ++c) sum += qr[j][c] * tile[t][c];
-      partial[j][t] = sum;
-    }
+    vf k[chunks];
+    load_vectors<chunks>(rows[t], k);
+    vf sum = qr[0] * k[0];
+    for (int c = 1; c < chunks; ++c) sum += qr[c] * k[c];
+    partial[t] = sum;
   }
-  for (int j = 0; j < N; ++j) {
-    const vf total = transpose_sum(partial[j]);
-    float* out = scores + heads[j] * length + first;
-    if (n == kLanes) {
-      std::memcpy(out, &total, sizeof total);
-    } else {
-      for (int64_t t = 0; t < n; ++t) out[t] = total[t];
-    }
+  const vf total = transpose_sum(partial);
+  if (n == kLanes) {
+    std::memcpy(out, &total, sizeof total);
+  } else {
+    for (int64_t t = 0; t < n; ++t) out[t] = total[t];
   }
 }
 
 template <int D, typename scalar_t, typename index_t>
 void score_keys(const float* qf, int64_t queries, const scalar_t* key, const index_t* table, const int64_t* offsets,
                 int64_t length, const Geometry& g, float* scores) {
-  constexpr int chunks = D / kLanes, block = kScoreHeads<D>;
+  alignas(64) static const scalar_t zeros[D] = {};  // the rows past the context's end in its last tile
   const int64_t pairs = queries * (g.heads / g.kv_heads), num_blocks = (length + g.block_size - 1) / g.block_size;
-  vf tile[kLanes][chunks];
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
     const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
       prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
                     tiles_per_block * g.kv_heads);
-      for (int64_t t = 0; t < kLanes; ++t) {
-        if (t < n) {
-          load_vectors<chunks>(key + offsets[first + t] + kvh * g.k_head, tile[t]);
-        } else {
-          for (auto& chunk : tile[t]) chunk = vf{};
-        }
-      }
-      for (int64_t p0 = 0; p0 < pairs; p0 += block) {
-        int64_t heads[block];
-        const int64_t count = std::min<int64_t>(block, pairs - p0);
-        for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(p0 + j, kvh, g);
-        with_count<block>(count, [&](auto size) { score_tile<D, decltype(size)::value>(tile, qf, heads, length, first, n, scores); });
+      const scalar_t* rows[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) rows[t] = t < n ? key + offsets[first + t] + kvh * g.k_head : zeros;
+      for (int64_t j = 0; j < pairs; ++j) {
+        const int64_t head = pair_head(j, kvh, g);
+        score_head<D>(rows, qf + head * D, n, scores + head * length + first);
       }
     }
   }
@@ -339,6 +325,7 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
   constexpr int pairs = D / (2 * kLanes);  // 512-bit registers of 32 bf16 per row
   const int64_t group = g.heads / g.kv_heads, num_blocks = (length + g.block_size - 1) / g.block_size;
   std::vector<__m512bh> qb(queries * g.heads * pairs);
+  alignas(64) static const at::BFloat16 zeros[D] = {};  // the rows past the context's end in its last tile
   for (int64_t i = 0; i < queries; ++i)
     for (int64_t h = 0; h < g.heads; ++h)
       for (int c = 0; c < pairs; ++c)
@@ -350,17 +337,17 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
       prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
                     tiles_per_block * g.kv_heads);
-      __m512bh k[kLanes][pairs];
-      for (int64_t t = 0; t < kLanes; ++t)
-        for (int c = 0; c < pairs; ++c)
-          k[t][c] = t < n ? (__m512bh)_mm512_loadu_si512(key + offsets[first + t] + kvh * g.k_head + c * 2 * kLanes)
-                          : (__m512bh)_mm512_setzero_si512();
+      // The tile's K rows are read from memory (L1 after the first head) by each head's dot products rather
+      // than copied into registers first: 16 rows of D bf16 would not fit beside the partial sums.
+      const at::BFloat16* k[kLanes];
+      for (int64_t t = 0; t < kLanes; ++t) k[t] = t < n ? key + offsets[first + t] + kvh * g.k_head : zeros;
       for (int64_t j = 0; j < queries * group; ++j) {
         const int64_t head = pair_head(j, kvh, g);
         vf partial[kLanes];
         for (int64_t t = 0; t < kLanes; ++t) {
           __m512 sum = _mm512_setzero_ps();
-          for (int c = 0; c < pairs; ++c) sum = _mm512_dpbf16_ps(sum, qb[head * pairs + c], k[t][c]);
+          for (int c = 0; c < pairs; ++c)
+            sum = _mm512_dpbf16_ps(sum, qb[head * pairs + c], (__m512bh)_mm512_loadu_si512(k[t] + c * 2 * kLanes));
           partial[t] = (vf)sum;
         }
         alignas(64) float out[kLanes];
