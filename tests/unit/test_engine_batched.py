@@ -83,6 +83,16 @@ def test_batched_path_matches_hf(tiny, prompts, expected, budget):
     assert_no_leaked_blocks(engine)
 
 
+def test_a_cpu_without_the_cpp_kernel_takes_the_batched_path(tiny, prompts, expected, monkeypatch):
+    """Only the C++ kernel attends prefill chunks as rows: where it is not built (no compiler, an odd head
+    size), the CPU engine decodes with the torch kernel and prefills through SDPA, chunked or not."""
+    monkeypatch.setattr("engine.paged_decode.default_kernel", lambda device, head_dim: "torch")
+    engine = make_engine(tiny, max_num_batched_tokens=24)
+    assert engine.runner.decode_kernel == "torch" and engine.runner.batched
+    assert _run(engine, prompts) == expected
+    assert_no_leaked_blocks(engine)
+
+
 def test_batched_path_with_preemption_and_prefix_hits_matches_hf(tiny, reference, prompts, expected):
     engine = _batched_engine(tiny, num_kv_blocks=12)
     shared = prompts[3][:48]
