@@ -1,4 +1,8 @@
-"""The C++ decode attention kernel (engine.kernels) against the torch gather kernel it replaces on CPU."""
+"""The C++ paged attention kernel (engine.kernels: decodes, verifying rows, prefill chunks) against the torch gather kernel it replaces on CPU."""
+
+import platform
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -155,3 +159,12 @@ def test_a_prefill_chunk_is_a_row_of_many_queries(dtype):
     rtol, atol = (1e-5, 2e-6) if dtype == torch.float32 else (2**-8, 2**-8)
     torch.testing.assert_close(got.float(), exact, rtol=rtol, atol=atol)
     assert torch.equal(got, decode_cpp(q, key, value, tables, lengths, None))
+
+
+@pytest.mark.skipif(platform.machine() != "x86_64" or shutil.which("objdump") is None, reason="reads x86 machine code with objdump")
+def test_the_built_kernel_requests_blocks_ahead():
+    """GCC deletes a loop of __builtin_prefetch calls as free of side effects: the kernel once shipped with no
+    prefetch at all, its scattered block reads waiting on memory one by one. Its build must hold them."""
+    (library,) = kernels.build_directory().glob("*.so")
+    code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True, check=True).stdout
+    assert code.count("prefetcht0") >= 4
