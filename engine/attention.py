@@ -101,15 +101,21 @@ class DecodeRows:
     context_lens: np.ndarray
 
 
+def block_table(tables: list[list[int]], rows: int, width: int, scratch_block: int) -> np.ndarray:
+    """[rows, width] int32: each request's first `width` block ids, the rest (and padding rows) the scratch block."""
+    table = np.full((rows, width), scratch_block, dtype=np.int32)
+    for i, blocks in enumerate(tables):
+        used = min(len(blocks), width)
+        table[i, :used] = blocks[:used]
+    return table
+
+
 def decode_rows(
     tables: list[list[int]], num_computed: list[int], last_tokens: list[int], rows: int, width: int, block_size: int, scratch_block: int
 ) -> DecodeRows:
     """`rows` >= len(tables) rows; padding rows decode token 0 at position 0 into the scratch block."""
     n = len(tables)
-    table = np.full((rows, width), scratch_block, dtype=np.int32)
-    for i, blocks in enumerate(tables):
-        used = min(len(blocks), width)
-        table[i, :used] = blocks[:used]
+    table = block_table(tables, rows, width, scratch_block)
     pos = np.zeros(rows, dtype=np.int64)
     pos[:n] = num_computed
     slots = np.full(rows, scratch_block * block_size, dtype=np.int64)

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from engine import attention, paged_decode, small_matmul
-from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, decode_rows, prefill_batch
+from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.step import StepItem
@@ -96,14 +96,14 @@ class ModelRunner:
             prefill=None,
             on_layer_written=on_layer_written,
         )
+        return list(range(len(batch))), self._forward(input_ids, positions, sampling_rows, meta)
+
+    def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sampling_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """The model once over the packed row: the logits of `sampling_rows`."""
         out = self.model(
-            input_ids=input_ids.unsqueeze(0),
-            position_ids=positions.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=sampling_rows,
-            paged=meta,
+            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, logits_to_keep=sampling_rows, paged=meta
         )
-        return list(range(len(batch))), out.logits[0]
+        return out.logits[0]
 
     def _pack(self, ordered: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         bs = self.block_size
@@ -131,15 +131,14 @@ class ModelRunner:
         queries (verifying rows, prefill chunks) also where each row's queries start."""
         if not decodes:
             return None
-        width = max(_cdiv(s.start + s.num_tokens, self.block_size) for s in decodes)
-        rows = self._decode_rows(decodes, len(decodes), width)
+        lens = np.array([s.start + s.num_tokens for s in decodes], dtype=np.int32)
+        table = block_table([s.block_ids for s in decodes], len(decodes), _cdiv(int(lens.max()), self.block_size), self.kv_cache.scratch_block)
         kernel = paged_decode.KERNELS[self.decode_kernel]
         counts = [s.num_tokens for s in decodes]
         if max(counts) == 1:
-            return DecodeBatch(self._to_device(rows.block_table), self._to_device(rows.context_lens), kernel)
-        lens = np.array([s.start + s.num_tokens for s in decodes], dtype=np.int32)
+            return DecodeBatch(self._to_device(table), self._to_device(lens), kernel)
         starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-        return DecodeBatch(self._to_device(rows.block_table), self._to_device(lens), kernel, self._to_device(starts))
+        return DecodeBatch(self._to_device(table), self._to_device(lens), kernel, self._to_device(starts))
 
     # ---- batched path (CUDA) -------------------------------------------------------------------
     def _execute_batched(
@@ -166,10 +165,7 @@ class ModelRunner:
             prefill=prefill_batch(chunks, self.block_size, self.device) if chunks else None,
             on_layer_written=on_layer_written,
         )
-        out = self.model(
-            input_ids=input_ids.unsqueeze(0), position_ids=positions.unsqueeze(0), use_cache=False, logits_to_keep=sampling_rows, paged=meta
-        )
-        return order, out.logits[0]
+        return order, self._forward(input_ids, positions, sampling_rows, meta)
 
     def _decode_rows(self, decodes: list[StepItem], rows: int, width: int) -> DecodeRows:
         return decode_rows(

@@ -157,6 +157,20 @@ inline void with_count(int64_t count, F&& f) {
   f(std::integral_constant<int, N>{});
 }
 
+// rows[t] = where key first + t's row of KV head `kvh` lies in the pool (a row of zeros past the context's
+// end), after asking for the part of the block kPrefetchBlocks ahead that this tile and head stand for, so
+// that each block is requested once, spread over the tiles and heads that read the one before it.
+template <int D, typename scalar_t, typename index_t>
+inline void tile_rows(const scalar_t* key, const index_t* table, const int64_t* offsets, int64_t length, int64_t first, int64_t kvh,
+                      const Geometry& g, const scalar_t* (&rows)[kLanes]) {
+  alignas(64) static const scalar_t zeros[D] = {};
+  const int64_t num_blocks = (length + g.block_size - 1) / g.block_size;
+  const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
+  prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
+                tiles_per_block * g.kv_heads);
+  for (int64_t t = 0; t < kLanes; ++t) rows[t] = first + t < length ? key + offsets[first + t] + kvh * g.k_head : zeros;
+}
+
 // scores[(i * H + h) * length + t] = q_{i,h} . K_t for every (scaled) query head h of every query i and
 // every key t of the row, kLanes keys at a time: per KV head, each query head that shares it takes one
 // vertical multiply-add per kLanes dims and key, the keys' rows read from memory (L1 after the first
@@ -186,16 +200,12 @@ inline void score_head(const scalar_t* const (&rows)[kLanes], const float* qh, i
 template <int D, typename scalar_t, typename index_t>
 void score_keys(const float* qf, int64_t queries, const scalar_t* key, const index_t* table, const int64_t* offsets,
                 int64_t length, const Geometry& g, float* scores) {
-  alignas(64) static const scalar_t zeros[D] = {};  // the rows past the context's end in its last tile
-  const int64_t pairs = queries * (g.heads / g.kv_heads), num_blocks = (length + g.block_size - 1) / g.block_size;
+  const int64_t pairs = queries * (g.heads / g.kv_heads);
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
-    const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-      prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
-                    tiles_per_block * g.kv_heads);
       const scalar_t* rows[kLanes];
-      for (int64_t t = 0; t < kLanes; ++t) rows[t] = t < n ? key + offsets[first + t] + kvh * g.k_head : zeros;
+      tile_rows<D>(key, table, offsets, length, first, kvh, g, rows);
       for (int64_t j = 0; j < pairs; ++j) {
         const int64_t head = pair_head(j, kvh, g);
         score_head<D>(rows, qf + head * D, n, scores + head * length + first);
@@ -323,9 +333,8 @@ template <int D, typename index_t>
 void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries, float scale, const at::BFloat16* key,
                      const index_t* table, const int64_t* offsets, int64_t length, const Geometry& g, float* scores) {
   constexpr int pairs = D / (2 * kLanes);  // 512-bit registers of 32 bf16 per row
-  const int64_t group = g.heads / g.kv_heads, num_blocks = (length + g.block_size - 1) / g.block_size;
+  const int64_t group = g.heads / g.kv_heads;
   std::vector<__m512bh> qb(queries * g.heads * pairs);
-  alignas(64) static const at::BFloat16 zeros[D] = {};  // the rows past the context's end in its last tile
   for (int64_t i = 0; i < queries; ++i)
     for (int64_t h = 0; h < g.heads; ++h)
       for (int c = 0; c < pairs; ++c)
@@ -333,14 +342,11 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
             (__m512bh)_mm512_loadu_si512(q + (first_query + i) * g.q_row + h * g.q_head + c * 2 * kLanes);
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
-    const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-      prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
-                    tiles_per_block * g.kv_heads);
       // The tile's K rows are read from memory (L1 after the first head) by each head's dot products rather
       // than copied into registers first: 16 rows of D bf16 would not fit beside the partial sums.
       const at::BFloat16* k[kLanes];
-      for (int64_t t = 0; t < kLanes; ++t) k[t] = t < n ? key + offsets[first + t] + kvh * g.k_head : zeros;
+      tile_rows<D>(key, table, offsets, length, first, kvh, g, k);
       for (int64_t j = 0; j < queries * group; ++j) {
         const int64_t head = pair_head(j, kvh, g);
         vf partial[kLanes];
