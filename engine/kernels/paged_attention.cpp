@@ -11,11 +11,14 @@
 // (a few KB) are softmaxed in fp32 over its own keys; the keys past a query's position get weight 0.
 // V pass: per KV head, a few (query, head) pairs accumulate in registers while that head's V rows stream
 // by, as far as the last of those queries sees. No workspace, no padding: a task reads exactly the keys
-// its last query sees, and a query gives bit for bit what a one-query row of its own length gives. The
-// row's token offsets into the pool are computed once (no division per key and head). A bf16 pool on a
-// CPU with AVX512-BF16 (head sizes that are multiples of 32) skips the fp32 conversions: both passes use
-// the bf16 dot-product instruction on the rows as stored (products exact in fp32, sums in fp32; in the V
-// pass two keys' rows interleaved dim by dim against their two weights packed in 32 bits).
+// its last query sees. The row's token offsets into the pool are computed once (no division per key and
+// head). A bf16 pool on a CPU with AVX512-BF16 (head sizes that are multiples of 32) skips the fp32
+// conversions: both passes use the bf16 dot-product instruction on the rows as stored (products exact in
+// fp32, sums in fp32), and sum in the order of torch's CPU flash attention (what transformers' SDPA runs),
+// so that a bf16 decode or prompt gives transformers' bits (score_keys_bf16, softmax_rows, weigh_values_bf16
+// say how). A query after cached keys (a row verifying proposals, a later prefill chunk) is softmaxed and
+// summed as a decode of its own length, so it gives bit for bit what that one-query row gives; a whole
+// prompt's queries are softmaxed over the prompt's length, as torch does.
 // Shapes: q [T, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous); block_table [B, W]
 // int32 or int64; context_lens [B] (same dtype); query_starts [B + 1] (same dtype, optional: row b's
 // queries are q[query_starts[b] : query_starts[b + 1]]; without it T = B, one query per row); returns
@@ -44,34 +47,6 @@ inline void load_row(const scalar_t* src, float* dst) {
   for (int i = 0; i < D; ++i) dst[i] = as_float(src[i]);
 }
 
-// 2^f for f in [-0.5, 0.5], on a float or on kLanes lanes (the same operations, so the same results).
-template <class T>
-inline T exp2_fraction(T f) {
-  T p = T{} + 1.5403530393381606e-4f;
-  p = p * f + 1.3333558146428443e-3f;
-  p = p * f + 9.6181291076284772e-3f;
-  p = p * f + 5.5504108664821580e-2f;
-  p = p * f + 2.4022650695910071e-1f;
-  p = p * f + 6.9314718055994531e-1f;
-  p = p * f + 1.0f;
-  return p;
-}
-
-// exp(x) for x <= 0 (scores minus their max) in a form the compiler vectorizes: 2^(x log2 e) split into
-// an integer power (built in the exponent bits) and a degree-6 polynomial on [-0.5, 0.5]; relative error
-// ~2e-7, the same order as expf's rounding.
-inline float exp_nonpositive(float x) {
-  x = std::max(x, -87.f);
-  const float t = x * 1.4426950408889634f;
-  const float n = std::nearbyint(t);
-  const float p = exp2_fraction(t - n);
-  int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
-  float scale;
-  std::memcpy(&scale, &bits, sizeof scale);
-  return p * scale;
-}
-
-// Pool blocks requested ahead of the one being read: enough reads in flight to stream the pool.
 constexpr int64_t kPrefetchBlocks = 1;
 
 // Head sizes the kernel is compiled for (multiples of 16 lanes); `supported_head_dims()` lists them.
@@ -230,7 +205,21 @@ inline float max_of(const float* s, int64_t n) {
   return top;
 }
 
-// exp_nonpositive on kLanes lanes at once, the same operations lane by lane (so the same results).
+// 2^f for f in [-0.5, 0.5] on kLanes lanes: a degree-6 polynomial.
+inline vf exp2_fraction(vf f) {
+  vf p = vf{} + 1.5403530393381606e-4f;
+  p = p * f + 1.3333558146428443e-3f;
+  p = p * f + 9.6181291076284772e-3f;
+  p = p * f + 5.5504108664821580e-2f;
+  p = p * f + 2.4022650695910071e-1f;
+  p = p * f + 6.9314718055994531e-1f;
+  p = p * f + 1.0f;
+  return p;
+}
+
+// exp(x) for x <= 0 as accurately as expf (relative error ~2e-7): 2^(x log2 e) split into an integer power
+// (built in the exponent bits) and exp2_fraction. The fp32 pool's exp: its weights are not rounded, and
+// torch's fp32 GEMM order is not reproduced here, so torch's fast exp would only add error.
 inline vf exp_nonpositive(vf x) {
   const vf lowest = vf{} - 87.f, shifter = vf{} + 12582912.f;  // adding 1.5 * 2^23 rounds to an integer (nearest even)
   x = x > lowest ? x : lowest;
@@ -240,28 +229,99 @@ inline vf exp_nonpositive(vf x) {
   return p * (vf)((__builtin_convertvector(n, vi) + 127) << 23);
 }
 
+// The softmax below is the one of torch's CPU flash attention (what transformers' SDPA runs on a CPU), step
+// for step, so that the weights it rounds to the pool's dtype, and so the output, are the same bits:
+//  - exp(x) for the keys of a row's whole multiples of kLanes: for a bf16 pool torch's vectorized fast exp
+//    (`fexp_u20`: 2^(x log2 e) with a degree-3 polynomial for the fraction put together in the exponent
+//    bits, ~1e-5 relative error), for an fp32 pool exp_nonpositive; for the row's last (length % kLanes)
+//    keys the C library's expf;
+//  - the sum: lane by lane over the vectors, the lanes folded in halves (8, 4, 2, 1 lanes apart), then
+//    the remaining keys one by one.
+// Close is not enough: a bf16 weight (8 bits) that rounds the other way moves the output by up to one bf16
+// step, and a near tie between two tokens downstream then flips.
+inline vf fma_lanes(vf a, vf b, vf c) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_fmadd_ps((__m512)a, (__m512)b, (__m512)c);
+#elif defined(__FMA__) && defined(__AVX__)
+  return (vf)_mm256_fmadd_ps((__m256)a, (__m256)b, (__m256)c);
+#else
+  for (int l = 0; l < kLanes; ++l) a[l] = std::fma(a[l], b[l], c[l]);
+  return a;
+#endif
+}
+
+inline vf floor_lanes(vf x) {
+#if defined(__AVX512F__)
+  return (vf)_mm512_roundscale_ps((__m512)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#elif defined(__AVX__)
+  return (vf)_mm256_round_ps((__m256)x, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  for (int l = 0; l < kLanes; ++l) x[l] = std::floor(x[l]);
+  return x;
+#endif
+}
+
+inline float bits_as_float(uint32_t bits) {
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// exp(x) for x <= 0 as torch's Vectorized<float>::fexp_u20 computes it (0 below ln(FLT_MIN), -inf included).
+inline vf fast_exp(vf x) {
+  const vf log2e = vf{} + bits_as_float(0x3fb8aa3bu), ln_flt_min = vf{} + bits_as_float(0xc2aeac50u);
+  const vf c0 = vf{} + 0.00010703434948458272f, c1 = vf{} + 0.30354260500649682f, c2 = vf{} - 0.22433836478672356f,
+           c3 = vf{} - 0.079204240219773236f;
+  vf t = x * log2e;  // one product with two uses: never contracted into an FMA
+  const vf fraction = t - floor_lanes(t);
+  vf p = fma_lanes(fraction, c3, c2);
+  p = fma_lanes(fraction, p, c1);
+  p = fma_lanes(fraction, p, c0);
+  t = t - p;
+  const vi bits = __builtin_convertvector(fma_lanes(vf{} + 8388608.f, t, vf{} + 8388608.f * 127.f), vi);  // truncates
+  return x < ln_flt_min ? vf{} : (vf)bits;
+}
+
+// The sum of the lanes, folded in halves (lane l plus lane l ^ width, widest first), lane 0's.
+inline float fold_lanes(vf v) {
+  for (int width = kLanes / 2; width >= 1; width /= 2) {
+    vi partner;
+    for (int l = 0; l < kLanes; ++l) partner[l] = l ^ width;
+    v = v + __builtin_shuffle(v, partner);
+  }
+  return v[0];
+}
+
 // In place: each query head's scores over the keys it sees become exp(score - max), rounded to the pool's
-// dtype as torch's CPU flash attention rounds them before its P @ V product (so a bf16 pool gives what
-// transformers' bf16 SDPA gives), and the keys it does not see weigh 0; inverse_sums[i * H + h] = 1 / the
-// sum of the unrounded values, applied to the output.
+// dtype as torch's CPU flash attention rounds them before its P @ V product, and the keys it does not see
+// weigh 0; inverse_sums[i * H + h] = 1 / the sum of the unrounded values, applied to the output. The split
+// between fast_exp and expf is at the last whole vector of the query's row as torch sees it: the prompt's
+// length for a query of a whole prompt (`prompt_length`: torch softmaxes every query of a prompt over all
+// of its keys, the later ones masked), else the keys the query sees, as a decode of that length does (so a
+// row verifying proposed tokens weighs each query as decoding it would).
 template <typename scalar_t>
-inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t length, float* inverse_sums) {
+inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t length, int64_t prompt_length, float* inverse_sums) {
   for (int64_t i = 0; i < queries; ++i) {
     const int64_t visible = visible_keys(length, queries, i);
+    const int64_t row_keys = prompt_length ? prompt_length : visible, vector_keys = row_keys - row_keys % kLanes;
     for (int64_t h = i * heads; h < (i + 1) * heads; ++h) {
       float* s = scores + h * length;
       const float top = max_of(s, visible);
       vf sums = {};
       int64_t t = 0;
-      for (; t + kLanes <= visible; t += kLanes) {
-        const vf e = exp_nonpositive(*reinterpret_cast<const vf_unaligned*>(s + t) - top);
+      for (; t < std::min(vector_keys, visible); t += kLanes) {
+        const int64_t seen = std::min<int64_t>(kLanes, visible - t);
+        vf x = {};
+        std::memcpy(&x, s + t, seen * sizeof(float));
+        vf e = std::is_same_v<scalar_t, float> ? exp_nonpositive(x - top) : fast_exp(x - top);
+        for (int64_t l = seen; l < kLanes; ++l) e[l] = 0.f;  // keys past the query: torch's -inf, weight 0
         sums += e;
-        *reinterpret_cast<vf_unaligned*>(s + t) = round_to<scalar_t>(e);
+        const vf w = round_to<scalar_t>(e);
+        std::memcpy(s + t, &w, seen * sizeof(float));
       }
-      float sum = 0.f;
-      for (int lane = 0; lane < kLanes; ++lane) sum += sums[lane];
+      float sum = fold_lanes(sums);
       for (; t < visible; ++t) {
-        const float e = exp_nonpositive(s[t] - top);
+        const float e = std::exp(s[t] - top);
         sum += e;
         s[t] = round_to<scalar_t>(e);
       }
@@ -323,51 +383,169 @@ void weigh_values(const float* weights, int64_t queries, const scalar_t* value, 
   }
 }
 
+// Which of the two orders of score_keys_bf16 a query's scores are summed in.
+struct FourChains {
+  int64_t prompt_length;  // the row's keys when it is a whole prompt, else 0 (a query like a decode's)
+  int64_t first;          // the tile's first query within its row
+
+  bool operator()(int64_t query) const {
+    if (!prompt_length) return true;
+    const int64_t split = prompt_length >= 768 ? 256 : prompt_length >= 192 ? 64 : 32;  // torch's query blocks
+    const int64_t index = first + query, block_queries = std::min(split, prompt_length - index / split * split);
+    return prompt_length < 24 || block_queries < 4;
+  }
+};
+
 #if defined(__AVX512BF16__)
 constexpr bool kBf16Dot = true;
 
-// score_keys for a bf16 pool on a CPU with AVX512-BF16: the queries stay in bf16 and each K row is used as
-// stored, two dims per lane with the bf16 dot-product instruction (products exact in fp32, sums in fp32);
-// the scale is applied to the fp32 scores.
+// score_keys for a bf16 pool on a CPU with AVX512-BF16, in the order of the GEMM under torch's CPU flash
+// attention (MKL's bf16 GEMM, on the unscaled query; the product then scaled), which depends on its shape.
+// Measured on an AMD EPYC with AVX512-BF16: a block of at most 3 queries (a decode; the last queries of a
+// prompt), or a prompt of fewer than 24 keys, sums each score in 4 chains, dims d = j mod 4 in chain j,
+// added as (0 + 2) + (1 + 3); larger blocks sum it in one chain over the dims in order. Each addition is
+// rounded to fp32. `FourChains` says which a query gets.
+//
+// One key per lane: per KV head, a tile's kLanes K rows are transposed into D / 2 vectors of dim pairs, and
+// each query head runs its chains of bf16 dot-product instructions against its own pairs broadcast. The
+// instruction adds the product of a pair's high half first, then the low half's (rounding after each), so
+// a pair holds the chain's earlier dim in its high half, on both sides. kScoreTiles tiles at a time give a
+// head that many independent chains.
+constexpr int kScoreTiles = 4;
+
+
+// m[w] lane t <- m[t] lane w for a kLanes x kLanes block of 32-bit words (butterflies 1, 2, 4, 8 apart).
+template <int B>
+inline void transpose_stage(__m512i* m) {
+  alignas(64) int32_t keep[kLanes], swap[kLanes];
+  for (int c = 0; c < kLanes; ++c) {
+    keep[c] = (c & B) ? kLanes + (c ^ B) : c;
+    swap[c] = (c & B) ? kLanes + c : (c | B);
+  }
+  const __m512i keep_index = _mm512_load_si512(keep), swap_index = _mm512_load_si512(swap);
+  for (int r = 0; r < kLanes; ++r) {
+    if (r & B) continue;
+    const __m512i a = m[r], b = m[r | B];
+    m[r] = _mm512_permutex2var_epi32(a, keep_index, b);
+    m[r | B] = _mm512_permutex2var_epi32(a, swap_index, b);
+  }
+}
+
+// words[w] lane t = the 32-bit word w (dims 2w, 2w + 1) of key t's row.
+template <int D>
+inline void transpose_words(const at::BFloat16* const (&rows)[kLanes], __m512i* words) {
+  for (int block = 0; block < D / (2 * kLanes); ++block) {
+    __m512i* m = words + block * kLanes;
+    for (int t = 0; t < kLanes; ++t) m[t] = _mm512_loadu_si512(rows[t] + block * 2 * kLanes);
+    transpose_stage<1>(m);
+    transpose_stage<2>(m);
+    transpose_stage<4>(m);
+    transpose_stage<8>(m);
+  }
+}
+
+// The halves of 32-bit words moved, for one word (a query's) or sixteen (a tile's keys).
+inline uint32_t up16(uint32_t w) { return w << 16; }
+inline __m512i up16(__m512i w) { return _mm512_slli_epi32(w, 16); }
+inline uint32_t down16(uint32_t w) { return w >> 16; }
+inline __m512i down16(__m512i w) { return _mm512_srli_epi32(w, 16); }
+inline uint32_t high_low(uint32_t high, uint32_t low) { return (high & 0xFFFF0000u) | (low & 0xFFFFu); }
+inline __m512i high_low(__m512i high, __m512i low) {
+  return _mm512_ternarylogic_epi32(high, low, _mm512_set1_epi32(0xFFFF), 0xD8);  // mask ? low : high, bit by bit
+}
+
+// Dim pairs for one chain over all dims in order: pair c = dim 2c high, 2c + 1 low.
+template <typename word_t>
+inline word_t one_chain_pair(word_t word) { return high_low(up16(word), down16(word)); }
+
+// Dim pairs for four chains: of the dims 8k .. 8k + 7 (words w = 4k .. 4k + 3), chain j's pair k holds dims
+// 8k + j (high) and 8k + 4 + j (low); pairs[j * D / 8 + k].
+template <int D, typename word_t>
+inline void four_chain_pairs(const word_t* words, word_t* pairs) {
+  for (int k = 0; k < D / 8; ++k) {
+    const word_t* w = words + 4 * k;
+    for (int j = 0; j < 4; ++j) {
+      const word_t first = w[j / 2], second = w[2 + j / 2];  // dims 8k + j and 8k + 4 + j: even j low, odd j high
+      pairs[j * (D / 8) + k] = j % 2 == 0 ? high_low(up16(first), second) : high_low(first, down16(second));
+    }
+  }
+}
+
 template <int D, typename index_t>
-void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries, float scale, const at::BFloat16* key,
-                     const index_t* table, const int64_t* offsets, int64_t length, const Geometry& g, float* scores) {
-  constexpr int pairs = D / (2 * kLanes);  // 512-bit registers of 32 bf16 per row
-  const int64_t group = g.heads / g.kv_heads;
-  std::vector<__m512bh> qb(queries * g.heads * pairs);
-  for (int64_t i = 0; i < queries; ++i)
-    for (int64_t h = 0; h < g.heads; ++h)
-      for (int c = 0; c < pairs; ++c)
-        qb[(i * g.heads + h) * pairs + c] =
-            (__m512bh)_mm512_loadu_si512(q + (first_query + i) * g.q_row + h * g.q_head + c * 2 * kLanes);
-  for (int64_t first = 0; first < length; first += kLanes) {
-    const int64_t n = std::min<int64_t>(kLanes, length - first);
+void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries, float scale, FourChains four_chains,
+                     const at::BFloat16* key, const index_t* table, const int64_t* offsets, int64_t length, const Geometry& g,
+                     float* scores) {
+  constexpr int pairs = D / 2, chain_pairs = D / 8;
+  const int64_t group = g.heads / g.kv_heads, count = queries * group;
+  std::vector<uint32_t> qp(queries * g.heads * pairs);  // each query head's pairs, in its chains' layout
+  bool any_one = false, any_four = false;
+  for (int64_t i = 0; i < queries; ++i) {
+    const bool four = four_chains(i);
+    (four ? any_four : any_one) = true;
+    for (int64_t h = 0; h < g.heads; ++h) {
+      const auto* words = reinterpret_cast<const uint32_t*>(q + (first_query + i) * g.q_row + h * g.q_head);
+      uint32_t* out = qp.data() + (i * g.heads + h) * pairs;
+      if (four)
+        four_chain_pairs<D>(words, out);
+      else
+        for (int c = 0; c < pairs; ++c) out[c] = one_chain_pair(words[c]);
+    }
+  }
+  __m512i one[kScoreTiles][pairs], four[kScoreTiles][pairs];
+  for (int64_t first = 0; first < length; first += kScoreTiles * kLanes) {
+    const int64_t used = std::min<int64_t>(kScoreTiles, (length - first + kLanes - 1) / kLanes);
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-      // The tile's K rows are read from memory (L1 after the first head) by each head's dot products rather
-      // than copied into registers first: 16 rows of D bf16 would not fit beside the partial sums.
-      const at::BFloat16* k[kLanes];
-      tile_rows<D>(key, table, offsets, length, first, kvh, g, k);
-      for (int64_t j = 0; j < queries * group; ++j) {
+      for (int64_t tile = 0; tile < used; ++tile) {
+        const at::BFloat16* rows[kLanes];
+        __m512i words[pairs];
+        tile_rows<D>(key, table, offsets, length, first + tile * kLanes, kvh, g, rows);
+        transpose_words<D>(rows, words);
+        if (any_one)
+          for (int c = 0; c < pairs; ++c) one[tile][c] = one_chain_pair(words[c]);
+        if (any_four) four_chain_pairs<D>(words, four[tile]);
+      }
+      for (int64_t j = 0; j < count; ++j) {
         const int64_t head = pair_head(j, kvh, g);
-        vf partial[kLanes];
-        for (int64_t t = 0; t < kLanes; ++t) {
-          __m512 sum = _mm512_setzero_ps();
-          for (int c = 0; c < pairs; ++c)
-            sum = _mm512_dpbf16_ps(sum, qb[head * pairs + c], (__m512bh)_mm512_loadu_si512(k[t] + c * 2 * kLanes));
-          partial[t] = (vf)sum;
+        const uint32_t* qh = qp.data() + head * pairs;
+        const auto pair_of = [&](int c) { return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qh[c])); };
+        __m512 total[kScoreTiles];
+        if (four_chains(head / g.heads)) {
+          __m512 acc[kScoreTiles][4];
+          for (auto& tile : acc)
+            for (auto& chain : tile) chain = _mm512_setzero_ps();
+          for (int k = 0; k < chain_pairs; ++k)
+            for (int chain = 0; chain < 4; ++chain) {
+              const __m512bh qc = pair_of(chain * chain_pairs + k);
+              for (int64_t tile = 0; tile < kScoreTiles; ++tile)
+                if (tile < used)
+                  acc[tile][chain] = _mm512_dpbf16_ps(acc[tile][chain], (__m512bh)four[tile][chain * chain_pairs + k], qc);
+            }
+          for (int64_t tile = 0; tile < used; ++tile)
+            total[tile] = _mm512_add_ps(_mm512_add_ps(acc[tile][0], acc[tile][2]), _mm512_add_ps(acc[tile][1], acc[tile][3]));
+        } else {
+          for (auto& t : total) t = _mm512_setzero_ps();
+          for (int c = 0; c < pairs; ++c) {
+            const __m512bh qc = pair_of(c);
+            for (int64_t tile = 0; tile < kScoreTiles; ++tile)
+              if (tile < used) total[tile] = _mm512_dpbf16_ps(total[tile], (__m512bh)one[tile][c], qc);
+          }
         }
-        alignas(64) float out[kLanes];
-        const vf total = transpose_sum(partial) * scale;
-        std::memcpy(out, &total, sizeof out);
-        std::memcpy(scores + head * length + first, out, n * sizeof(float));
+        for (int64_t tile = 0; tile < used; ++tile) {
+          alignas(64) float out[kLanes];
+          _mm512_store_ps(out, _mm512_mul_ps(total[tile], _mm512_set1_ps(scale)));
+          const int64_t at = first + tile * kLanes, n = std::min<int64_t>(kLanes, length - at);
+          std::memcpy(scores + head * length + at, out, n * sizeof(float));
+        }
       }
     }
   }
 }
 
 // In place: each (query, head) pair's weights (softmax_rows left them fp32 values that bf16 holds exactly)
-// become the bf16 values of two consecutive keys per 32 bits, (t, t + 1) for even t, a zero after an odd
-// count: the V pass broadcasts one such pair per two keys. Row h's pairs start where its floats started.
+// become the bf16 values of two consecutive keys per 32 bits, t + 1 in the low half and t in the high half
+// for even t (the instruction adds the high half's product first: key t before key t + 1, the order of
+// torch's P @ V GEMM), a zero after an odd count: the V pass broadcasts one such pair per two keys. Row h's
+// pairs start where its floats started.
 inline void pack_weight_pairs(float* weights, int64_t rows, int64_t length) {
   const int64_t padded = length + (length & 1);
   for (int64_t h = 0; h < rows; ++h) {
@@ -379,14 +557,15 @@ inline void pack_weight_pairs(float* weights, int64_t rows, int64_t length) {
       const __mmask16 high = n >= 2 * kLanes ? 0xFFFF : n > kLanes ? static_cast<__mmask16>((1u << (n - kLanes)) - 1) : 0;
       const __m512bh both = _mm512_cvtne2ps_pbh(_mm512_maskz_loadu_ps(high, row + t + kLanes), _mm512_maskz_loadu_ps(low, row + t));
       const int64_t stored = std::min<int64_t>(2 * kLanes, padded - t);
-      _mm512_mask_storeu_epi16(packed + t, stored >= 2 * kLanes ? ~0u : (1u << stored) - 1, (__m512i)both);
+      _mm512_mask_storeu_epi16(packed + t, stored >= 2 * kLanes ? ~0u : (1u << stored) - 1, one_chain_pair((__m512i)both));
     }
   }
 }
 
 // weigh_values for a bf16 pool on a CPU with AVX512-BF16: two keys at a time, their V rows interleaved dim by
-// dim (one unpack per 32 dims) and multiplied by the pair of their weights (pack_weight_pairs) with the bf16
-// dot-product instruction; the unpack's lane order is undone once at the end. N (query, head) pairs of one
+// dim (one unpack per 32 dims, key t + 1 low and key t high, as their weights) and multiplied by the pair of
+// their weights (pack_weight_pairs) with the bf16 dot-product instruction, so that each dim is one chain of
+// rounded additions over the keys in order; the unpack's lane order is undone once at the end. N (query, head) pairs of one
 // KV head at a time, each with 2 * pairs accumulators in registers.
 template <int D>
 constexpr int kValueHeadsBf16 = std::max(1, std::min(6, (kVectorRegisters - 2 - D / kLanes) / (D / kLanes)));
@@ -410,8 +589,8 @@ void weigh_pairs_bf16(const uint32_t* weights, const int64_t* heads, int64_t str
     for (int c = 0; c < pairs; ++c) {
       const __m512i va = _mm512_loadu_si512(a + c * 2 * kLanes);
       const __m512i vb = two ? _mm512_loadu_si512(b + c * 2 * kLanes) : _mm512_setzero_si512();
-      lo[c] = _mm512_unpacklo_epi16(va, vb);
-      hi[c] = _mm512_unpackhi_epi16(va, vb);
+      lo[c] = _mm512_unpacklo_epi16(vb, va);
+      hi[c] = _mm512_unpackhi_epi16(vb, va);
     }
     for (int j = 0; j < N; ++j) {
       const __m512bh p = (__m512bh)_mm512_set1_epi32(static_cast<int>(weights[heads[j] * stride + pos / 2]));
@@ -458,8 +637,8 @@ void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* valu
 #else
 constexpr bool kBf16Dot = false;
 template <int D, typename index_t>
-void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, const at::BFloat16*, const index_t*, const int64_t*, int64_t,
-                     const Geometry&, float*) {}
+void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, FourChains, const at::BFloat16*, const index_t*, const int64_t*,
+                     int64_t, const Geometry&, float*) {}
 template <int D, typename index_t>
 void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const index_t*, const int64_t*, int64_t, const Geometry&, float*) {}
 #endif
@@ -467,7 +646,8 @@ void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const index_t*, con
 // One row: queries q[first_query : first_query + queries], the last `queries` positions of `length` keys.
 template <int D, typename scalar_t, typename index_t>
 void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, const index_t* table, int64_t length,
-                int64_t first_query, int64_t queries, float scale, const Geometry& g, scalar_t* out, Scratch& scratch) {
+                int64_t prompt_length, int64_t row_query, int64_t first_query, int64_t queries, float scale, const Geometry& g, scalar_t* out,
+                Scratch& scratch) {
   const int64_t heads = queries * g.heads;  // (query, head) pairs
   scratch.floats.resize(heads * (2 * D + length + 1));
   float* qf = scratch.floats.data();  // [queries * H, D] scaled queries
@@ -487,10 +667,10 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
     }
   }
   if constexpr (bf16_dot)
-    score_keys_bf16<D>(q, first_query, queries, scale, key, table, offsets, length, g, scores);
+    score_keys_bf16<D>(q, first_query, queries, scale, FourChains{prompt_length, row_query}, key, table, offsets, length, g, scores);
   else
     score_keys<D>(qf, queries, key, table, offsets, length, g, scores);
-  softmax_rows<scalar_t>(scores, queries, g.heads, length, inverse_sums);
+  softmax_rows<scalar_t>(scores, queries, g.heads, length, prompt_length, inverse_sums);
   prefetch_first_blocks(value, table, length, g);
   if constexpr (bf16_dot)
     weigh_values_bf16<D>(scores, queries, value, table, offsets, length, g, acc);
@@ -509,11 +689,12 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
 // of its own: the tile's queries are the last positions of the keys up to its last query, so a tile reads
 // only the keys it sees (causal: the first tile of a prompt reads its first kQueryTile keys) and its scores
 // ([tile queries * H, keys] floats) stay in the core's cache. A query gives bit for bit the same whatever
-// its tile (weights past a query's position are exactly 0).
+// its tile (weights past a query's position are exactly 0; what depends on the whole row travels in the
+// Task: the prompt's length and the tile's place in it).
 constexpr int64_t kQueryTile = 32;
 
 struct Task {
-  int64_t row, first_query, queries, length;
+  int64_t row, row_query, first_query, queries, length, prompt_length;
 };
 
 template <typename index_t>
@@ -529,7 +710,7 @@ std::vector<Task> tasks_of(const index_t* lens, const index_t* starts, int64_t r
     TORCH_CHECK(queries >= 1 && queries <= length, "row ", row, " has ", queries, " queries for ", length, " keys");
     for (int64_t begin = 0; begin < queries; begin += kQueryTile) {
       const int64_t end = std::min(queries, begin + kQueryTile);
-      tasks.push_back({row, first + begin, end - begin, length - queries + end});
+      tasks.push_back({row, begin, first + begin, end - begin, length - queries + end, queries == length ? length : 0});
     }
   }
   return tasks;
@@ -554,7 +735,7 @@ void run(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, co
       switch (g.dim) {
 #define PDSERVE_HEAD_DIM(D)                                                                                 \
   case D:                                                                                                   \
-    attend_row<D>(qp, kp, vp, row_table, t.length, t.first_query, t.queries, scale, g, op, scratch); \
+    attend_row<D>(qp, kp, vp, row_table, t.length, t.prompt_length, t.row_query, t.first_query, t.queries, scale, g, op, scratch); \
     break;
         PDSERVE_HEAD_DIMS(PDSERVE_HEAD_DIM)
 #undef PDSERVE_HEAD_DIM
