@@ -25,7 +25,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, paged_decode, small_matmul
+from engine import attention, one_row_linear, paged_decode, small_matmul
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -61,6 +61,8 @@ class ModelRunner:
         model.set_attn_implementation(attention.register())
         self.few_rows = small_matmul.install(model) if self.device.type == "cpu" else {}
         """Per weight shape: linear layers on inputs of at most this many rows use the small-matmul kernel (engine.small_matmul)."""
+        self.lone_rows = one_row_linear.install(model) if self.device.type == "cpu" else None
+        """Told each step which rows decode, for bf16 layers that sum them as lone rows (engine.one_row_linear)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
         except Exception as exc:  # a kernel that does not compile or a graph that does not capture here
@@ -88,6 +90,8 @@ class ModelRunner:
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
         input_ids, positions, slots, sampling_rows = self._pack(batch)
+        if self.lone_rows is not None:
+            self.lone_rows.set(batch)
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
@@ -155,6 +159,8 @@ class ModelRunner:
             rows = slice(0, len(decodes)) if len(sampling) == len(decodes) else torch.tensor(sampling, device=self.device)
             return order, logits[rows]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
+        if self.lone_rows is not None:
+            self.lone_rows.set(ordered)
         decode = self._decode_batch(decodes)
         chunks = [(s.block_ids, s.start, s.num_tokens) for s in ordered[len(decodes) :]]
         meta = AttentionMetadata(

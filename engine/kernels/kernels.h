@@ -16,4 +16,9 @@ std::vector<int64_t> supported_head_dims();
 // small_matmul.cpp: x [..., K] @ weight[N, K]^T (+ bias) for inputs of few rows, float32.
 at::Tensor small_matmul(at::Tensor x, at::Tensor weight, std::optional<at::Tensor> bias);
 
+// one_row_linear.cpp: bf16 x @ weight^T with every row summed as torch sums a row that comes alone.
+bool one_row_linear_available();
+at::Tensor pack_dim_pairs(at::Tensor weight);
+at::Tensor one_row_linear(at::Tensor x, at::Tensor packed);
+
 }  // namespace pdserve
