@@ -301,23 +301,32 @@ inline float fold_lanes(vf v) {
 // row verifying proposed tokens weighs each query as decoding it would).
 template <typename scalar_t>
 inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t length, int64_t prompt_length, float* inverse_sums) {
+  constexpr bool as_torch = !std::is_same_v<scalar_t, float>;  // an fp32 pool: every key through the vector exp
+  const auto exp_of = [](vf x) { return as_torch ? fast_exp(x) : exp_nonpositive(x); };
   for (int64_t i = 0; i < queries; ++i) {
     const int64_t visible = visible_keys(length, queries, i);
-    const int64_t row_keys = prompt_length ? prompt_length : visible, vector_keys = row_keys - row_keys % kLanes;
+    const int64_t row_keys = prompt_length ? prompt_length : visible;
+    const int64_t vector_end = as_torch ? std::min(visible, row_keys - row_keys % kLanes) : visible;
     for (int64_t h = i * heads; h < (i + 1) * heads; ++h) {
       float* s = scores + h * length;
       const float top = max_of(s, visible);
       vf sums = {};
       int64_t t = 0;
-      for (; t < std::min(vector_keys, visible); t += kLanes) {
-        const int64_t seen = std::min<int64_t>(kLanes, visible - t);
+      for (; t + kLanes <= vector_end; t += kLanes) {
+        const vf e = exp_of(*reinterpret_cast<const vf_unaligned*>(s + t) - top);
+        sums += e;
+        *reinterpret_cast<vf_unaligned*>(s + t) = round_to<scalar_t>(e);
+      }
+      if (t < vector_end) {  // a vector's first keys: the rest are past the query (torch's -inf, weight 0)
+        const int64_t seen = vector_end - t;
         vf x = {};
         std::memcpy(&x, s + t, seen * sizeof(float));
-        vf e = std::is_same_v<scalar_t, float> ? exp_nonpositive(x - top) : fast_exp(x - top);
-        for (int64_t l = seen; l < kLanes; ++l) e[l] = 0.f;  // keys past the query: torch's -inf, weight 0
+        vf e = exp_of(x - top);
+        for (int64_t l = seen; l < kLanes; ++l) e[l] = 0.f;
         sums += e;
         const vf w = round_to<scalar_t>(e);
         std::memcpy(s + t, &w, seen * sizeof(float));
+        t = vector_end;
       }
       float sum = fold_lanes(sums);
       for (; t < visible; ++t) {
@@ -414,20 +423,27 @@ constexpr bool kBf16Dot = true;
 constexpr int kScoreTiles = 4;
 
 
-// m[w] lane t <- m[t] lane w for a kLanes x kLanes block of 32-bit words (butterflies 1, 2, 4, 8 apart).
+// m[w] lane t <- m[t] lane w for a kLanes x kLanes block of 32-bit words (butterflies 1, 2, 4, 8 apart):
+// per stage, lanes with bit B set trade places between vectors r and r | B.
+struct ButterflyIndex {
+  alignas(64) int32_t keep[kLanes], swap[kLanes];
+  constexpr explicit ButterflyIndex(int b) : keep{}, swap{} {
+    for (int c = 0; c < kLanes; ++c) {
+      keep[c] = (c & b) ? kLanes + (c ^ b) : c;
+      swap[c] = (c & b) ? kLanes + c : (c | b);
+    }
+  }
+};
+
 template <int B>
 inline void transpose_stage(__m512i* m) {
-  alignas(64) int32_t keep[kLanes], swap[kLanes];
-  for (int c = 0; c < kLanes; ++c) {
-    keep[c] = (c & B) ? kLanes + (c ^ B) : c;
-    swap[c] = (c & B) ? kLanes + c : (c | B);
-  }
-  const __m512i keep_index = _mm512_load_si512(keep), swap_index = _mm512_load_si512(swap);
+  static constexpr ButterflyIndex index{B};
+  const __m512i keep = _mm512_load_si512(index.keep), swap = _mm512_load_si512(index.swap);
   for (int r = 0; r < kLanes; ++r) {
     if (r & B) continue;
     const __m512i a = m[r], b = m[r | B];
-    m[r] = _mm512_permutex2var_epi32(a, keep_index, b);
-    m[r | B] = _mm512_permutex2var_epi32(a, swap_index, b);
+    m[r] = _mm512_permutex2var_epi32(a, keep, b);
+    m[r | B] = _mm512_permutex2var_epi32(a, swap, b);
   }
 }
 
