@@ -10,7 +10,8 @@ tokens in bf16). A layer where that happens sends the rows of decoding requests 
 and the proposals it verifies) through the C++ kernel that sums each row as a lone row; prompt rows,
 which transformers also computes many at a time, stay with torch.
 
-Lifecycle: the ModelRunner calls `install(model)` once on a CPU. For every bf16 `nn.Linear` without a
+Lifecycle: the ModelRunner calls `install(model)` once on a CPU (again for every engine built on the same
+loaded model: the layers then serve the newest runner). For every bf16 `nn.Linear` without a
 bias it checks, on the layer's own weight with probe rows, that torch sums a lone row differently from
 the same rows in a batch here, and that the kernel gives the lone rows bit for bit; such a layer becomes
 a `OneRowLinear` holding its weight packed for the kernel (the module otherwise unchanged: parameters,
@@ -78,8 +79,10 @@ def install(model: nn.Module) -> LoneRows | None:
         return None
     lone_rows = LoneRows()
     verdicts: dict[tuple[int, int], bool] = {}
-    for layer in [m for m in model.modules() if type(m) is nn.Linear and _eligible(m)]:
-        packed = kernel.pack_dim_pairs(layer.weight.detach())
+    for layer in [m for m in model.modules() if type(m) in (nn.Linear, OneRowLinear) and _eligible(m)]:
+        # A model shared by several engines: each install rebinds the layers to its own runner's LoneRows.
+        packed = layer.packed if type(layer) is OneRowLinear else kernel.pack_dim_pairs(layer.weight.detach())
+        layer.__class__ = nn.Linear
         shape = tuple(layer.weight.shape)
         if shape not in verdicts:
             verdicts[shape] = _needed(layer.weight.detach(), packed, kernel)
