@@ -90,8 +90,6 @@ class ModelRunner:
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
         input_ids, positions, slots, sampling_rows = self._pack(batch)
-        if self.lone_rows is not None:
-            self.lone_rows.set(batch)
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
@@ -110,6 +108,10 @@ class ModelRunner:
         return out.logits[0]
 
     def _pack(self, ordered: list[StepItem]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The step's packed token ids, positions, slots and sampling rows; tells the bf16 layers that sum decode
+        rows as lone rows which rows those are (engine.one_row_linear)."""
+        if self.lone_rows is not None:
+            self.lone_rows.set(ordered)
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
@@ -159,8 +161,6 @@ class ModelRunner:
             rows = slice(0, len(decodes)) if len(sampling) == len(decodes) else torch.tensor(sampling, device=self.device)
             return order, logits[rows]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
-        if self.lone_rows is not None:
-            self.lone_rows.set(ordered)
         decode = self._decode_batch(decodes)
         chunks = [(s.block_ids, s.start, s.num_tokens) for s in ordered[len(decodes) :]]
         meta = AttentionMetadata(
