@@ -46,6 +46,7 @@ def run(args: argparse.Namespace, config: PdserveConfig | None) -> int:
     """`config`: the validated config of `serve` and `up` (None for the other commands)."""
     if args.command == "serve":
         return serve(args, config)
+    sys.stdout = DriverStdout(answers=sys.stdout, events=sys.stderr)
     if args.command == "up":
         return up(args, config)
     return {"down": down, "status": status, "scale": scale}[args.command](args)
@@ -245,6 +246,7 @@ def scale(args: argparse.Namespace) -> int:
 
 def switch_role(args: argparse.Namespace) -> int:
     """`pdserve role WORKER ROLE` on a Ray deployment: the controller switches the worker in place."""
+    sys.stdout = DriverStdout(answers=sys.stdout, events=sys.stderr)
     controller = _running_controller(args.address)
     if controller is None:
         return 1
@@ -283,6 +285,27 @@ def _connect(address: str | None) -> bool:
               "or `ray start --head`", file=sys.stderr)
         return False
     return True
+
+
+class DriverStdout:
+    """sys.stdout of a CLI command once it is a Ray driver. Ray prints the events the GCS sends every
+    driver ("node ... died: raylet crashes unexpectedly ...") onto sys.stdout from a thread of its own,
+    whenever they arrive; those go to stderr here, so that stdout holds only the command's answer, which
+    the main thread writes (`pdserve status --json | jq`)."""
+
+    def __init__(self, answers, events) -> None:
+        self.answers, self.events = answers, events
+
+    def write(self, text: str) -> int:
+        on_main = threading.current_thread() is threading.main_thread()
+        return (self.answers if on_main else self.events).write(text)
+
+    def flush(self) -> None:
+        self.answers.flush()
+        self.events.flush()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.answers, name)
 
 
 def controller_at(address: str) -> Any:

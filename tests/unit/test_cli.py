@@ -1,8 +1,10 @@
-"""`pdserve generate --local` prints the documented JSON contract."""
+"""`pdserve generate --local` prints the documented JSON contract; a Ray client command keeps stdout for its answer."""
 
 from __future__ import annotations
 
+import io
 import json
+import threading
 
 from deploy.cli import main
 from tests.cluster import write_config
@@ -24,3 +26,16 @@ def test_generate_local_chat_template_and_bad_input(capsys, demo_model):
     assert result["prompt_token_ids"] == demo_model.tokenizer(chat, add_special_tokens=False)["input_ids"]
     assert main(["generate", "hi", "--local", "--temperature", "-1"]) == 2
     assert "temperature" in capsys.readouterr().err
+
+
+def test_ray_events_of_a_client_command_go_to_stderr_and_its_answer_to_stdout():
+    from deploy.launcher import DriverStdout
+
+    answers, events = io.StringIO(), io.StringIO()
+    stdout = DriverStdout(answers=answers, events=events)
+    ray_listener = threading.Thread(target=stdout.write, args=("(raylet) node died: raylet crashes unexpectedly\n",))
+    ray_listener.start()
+    ray_listener.join()
+    print(json.dumps({"router": {}}), file=stdout)
+    assert json.loads(answers.getvalue()) == {"router": {}}
+    assert "raylet crashes" in events.getvalue()
