@@ -1,7 +1,7 @@
 # Newcomer entry points; see README.md.
 PY := .venv/bin/python
 
-.PHONY: setup test test-slow test-multihost lint demo proto bench
+.PHONY: setup test test-scenarios test-slow test-multihost lint demo proto bench
 
 setup:
 	bash scripts/setup.sh
@@ -9,8 +9,12 @@ setup:
 test: setup
 	$(PY) -m pytest
 
+# whole deployments on one host (Ray scaling and role switches, faults, tensor-parallel clusters, overload): tests/scenarios/
+test-scenarios: setup
+	$(PY) -m pytest tests/scenarios
+
 test-slow: setup
-	$(PY) -m pytest -m slow
+	$(PY) -m pytest -m slow tests/scenarios
 
 # hosts as network namespaces (needs root; skipped with a reason otherwise): tests/multihost/
 test-multihost: setup

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,17 @@ import torch
 from common.hardware import cpu_info
 from engine import Engine, EngineConfig
 from engine.model_loader import LoadedModel, load_model
+
+SCENARIOS = Path(__file__).parent / "scenarios"
+
+
+def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
+    """tests/scenarios/ is collected only when a command line names it or a path inside it."""
+    if collection_path != SCENARIOS:
+        return None
+    named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
+    return not any(path == SCENARIOS or SCENARIOS in path.parents for path in named)
+
 
 SUMS_AS_TORCH_BF16 = "avx512_bf16" in cpu_info().features and "amx_bf16" not in cpu_info().features
 """Whether this CPU is one where the paged kernel's bf16 sums were measured to follow torch's CPU flash

@@ -1,5 +1,5 @@
 """The controller's adaptive step (`Controller._adapt`) against a stand-in router actor: the plan's threshold
-reaches the router, and the decision is an event with its inputs. (The Ray path: tests/integration/test_ray_deploy.py.)"""
+reaches the router, and the decision is an event with its inputs. (The Ray path: tests/scenarios/test_ray_deploy.py.)"""
 
 from __future__ import annotations
 

@@ -45,7 +45,7 @@ HEARTBEAT_TIMEOUT_S = 3.0
 STALL_TIMEOUT_S = 5.0
 KV_TIMEOUT_S = 12.0
 RESULTS = REPO / "bench" / "results" / "faults.json"
-COMMAND = ".venv/bin/pytest tests/integration/test_faults.py"
+COMMAND = ".venv/bin/pytest tests/scenarios/test_faults.py"
 
 # First attempts only (`.0-`), so the router's retry succeeds; `badkv-` requests fail on every attempt.
 KV_FAULTS = ("corrupt:corrupt-*.0-*:7,truncate:trunc-*.0-*:3,drop:drop-*.0-*:5,cut:cut-*.0-*:4,"

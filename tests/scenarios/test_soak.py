@@ -1,6 +1,6 @@
 """Soak (slow): a bounded run of mixed traffic, 10 minutes by default.
 
-    PDSERVE_SOAK_S=600 .venv/bin/pytest -m slow tests/integration/test_soak.py   # PDSERVE_SOAK_S=60 for a short try
+    PDSERVE_SOAK_S=600 .venv/bin/pytest -m slow tests/scenarios/test_soak.py   # PDSERVE_SOAK_S=60 for a short try
 
 12 closed-loop clients against a router admitting 8 (so some refusals too, retried after Retry-After), on 1 prefill + 1 decode
 worker: prompts of ~5, ~200 and ~1000 tokens, max_tokens from 1 to 64, HTTP SSE and gRPC streaming
@@ -24,8 +24,8 @@ import requests
 
 from router.openai.routes import RETRY_AFTER_S
 from tests.cluster import REPO
-from tests.integration.load_clients import Job, RssSampler, admission_limited_cluster, run_load
-from tests.integration.test_overload import process_ids, write_report
+from tests.scenarios.load_clients import Job, RssSampler, admission_limited_cluster, run_load
+from tests.scenarios.test_overload import process_ids, write_report
 
 DURATION_S = float(os.environ.get("PDSERVE_SOAK_S", "600"))
 MAX_QUEUED = 8

@@ -23,7 +23,7 @@ import pytest
 import requests
 
 from tests.cluster import REPO, LocalCluster
-from tests.integration.load_clients import Job, RssSampler, admission_limited_cluster, run_load
+from tests.scenarios.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 
 MAX_QUEUED = 8
 CLIENTS = 4 * MAX_QUEUED

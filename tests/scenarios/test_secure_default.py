@@ -32,8 +32,8 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterError, generate_via_router
 from tests.cluster import REPO, Proc, start_process, stop_process, write_config
-from tests.integration.test_ray_deploy import cli, healthy, start_serve, status, stop_and_check_nothing_left, wait_for
 from tests.integration.test_security import SMOLLM2, _code, push_kv_is_refused
+from tests.scenarios.test_ray_deploy import cli, healthy, start_serve, status, stop_and_check_nothing_left, wait_for
 
 pytestmark = pytest.mark.timeout(600)
 
