@@ -4,12 +4,13 @@
 
 Workload: input-grounded prompts built from this repository's own source (no downloads): "Repeat the
 following code with the variable X renamed to Y" over a function-sized excerpt, greedy, so the answer
-mostly copies the prompt. Each phase runs the same requests through an engine with
+mostly copies the prompt; answers end at EOS (most rewrites are done within 110-280 tokens) or at
+`--max-tokens` (256). Each phase runs the same requests through an engine with
 `engine.speculative.method: off` and one with `ngram` (the adaptive switch on, as deployed), in
 one process, in the order off, ngram, ngram, off (each method's figure the mean of its two runs, so a
 drift of the machine's speed during the phase cancels out):
-  c1     one request at a time            tokens/s speculative vs plain (target >= 1.6x)
-  c4     four requests at once            the same (target >= 1.6x)
+  c1     4 requests, one at a time        tokens/s speculative vs plain (target >= 1.6x)
+  c4     16 requests, four at a time      the same (target >= 1.6x)
   load64 64 requests at once              the switch must keep throughput >= 0.97x plain
 Tokens/s = output tokens / wall time of the phase (prefill included). The JSON also holds the
 acceptance rate, the steps that speculated, whether outputs were identical (greedy in float32: they must
@@ -153,11 +154,12 @@ def markdown(report: dict[str, Any]) -> str:
               "on the CPU: with AMX in bfloat16 the forward's matmuls cost little more up to ~16 rows; in float32 on an AVX2 CPU "
               "the small-matmul kernel (engine/small_matmul.py) makes steps of a few rows cheap, up to its crossover (12-32 "
               "rows by layer), and four requests verifying 1 + 5 tokens each (24 rows) pass that crossover for most layers. "
-              "Four requests at once gain less than one: their plain steps already have four rows, and the requests finish at "
-              "different times, so the last one runs alone at a batch-4 step cost. The switch turns speculation off at 64 "
+              "At four requests in flight the gain is smaller than at one: their plain steps already have four rows, so a verified "
+              "token saves less of a step, and a step's cost grows with every row it verifies. The switch turns speculation off at 64 "
               "requests (its probes, one request every 16 idle steps, are what remains). Outputs are identical token for token in "
-              "float32; in bfloat16 a verifying step's rows round differently from one-row decodes, so a near tie can flip (the "
-              "greedy == HF tests run in float32). On a GPU, where decode is bound by reading weights and verification is almost "
+              "float32, and in bfloat16 on a CPU where the engine sums as torch does (AVX512-BF16 without AMX: a verifying row "
+              "attends and runs its down projection as a one-token decode does; engine/kernels/paged_attention.cpp, "
+              "engine.one_row_linear); elsewhere a near tie can flip. On a GPU, where decode is bound by reading weights and verification is almost "
               "free, the switch should keep the proposals (not measured here).", "",
               "![speculative](../bench/results/speculative.png)", END]
     return "\n".join(lines)
@@ -170,7 +172,7 @@ def write_doc(section: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = common.parser(__doc__, "speculative")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
-    parser.add_argument("--max-tokens", type=int, default=96)
+    parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (load64: a third)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="model dtype (auto: what engine.dtype auto picks here)")
     parser.add_argument("--quick", action="store_true", help="tiny run (results under bench/results/quick/)")
@@ -184,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     max_tokens = 16 if args.quick else args.max_tokens
     phases = {
         "c1": compare(loaded, "c1", prompts(loaded.tokenizer, n), 1, max_tokens, args.threads),
-        "c4": compare(loaded, "c4", prompts(loaded.tokenizer, n), 4, max_tokens, args.threads),
+        "c4": compare(loaded, "c4", prompts(loaded.tokenizer, 4 * n), 4, max_tokens, args.threads),
         "load64": compare(loaded, "load64", prompts(loaded.tokenizer, 8 if args.quick else 64), 64, max_tokens // 3, args.threads),
     }
     report = {"command": common.command_line(), "machine": common.finish(info, started), "dtype": str(loaded.dtype).removeprefix("torch."),
