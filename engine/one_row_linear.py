@@ -11,12 +11,13 @@ and the proposals it verifies) through the C++ kernel that sums each row as a lo
 which transformers also computes many at a time, stay with torch.
 
 Lifecycle: the ModelRunner calls `install(model)` once on a CPU (again for every engine built on the same
-loaded model: the layers then serve the newest runner). For every bf16 `nn.Linear` without a
+loaded model, which then shares the model's LoneRows). For every bf16 `nn.Linear` without a
 bias it checks, on the layer's own weight with probe rows, that torch sums a lone row differently from
 the same rows in a batch here, and that the kernel gives the lone rows bit for bit; such a layer becomes
 a `OneRowLinear` holding its weight packed for the kernel (the module otherwise unchanged: parameters,
-hooks, state dict). Every installed layer shares one `LoneRows`, which the runner points at the decoding
-rows before each forward (`LoneRows.set`).
+hooks, state dict). Every installed layer of a model shares one `LoneRows`, which a runner points at
+its decoding rows right before each of its forwards (`LoneRows.set`), so engines sharing a model may step
+in turn.
 """
 
 from __future__ import annotations
@@ -77,10 +78,10 @@ def install(model: nn.Module) -> LoneRows | None:
     kernel = kernels.load()
     if kernel is None or not kernel.one_row_linear_available():
         return None
-    lone_rows = LoneRows()
+    installed = [m.lone_rows for m in model.modules() if type(m) is OneRowLinear]
+    lone_rows = installed[0] if installed else LoneRows()
     verdicts: dict[tuple[int, int], bool] = {}
     for layer in [m for m in model.modules() if type(m) in (nn.Linear, OneRowLinear) and _eligible(m)]:
-        # A model shared by several engines: each install rebinds the layers to its own runner's LoneRows.
         packed = layer.packed if type(layer) is OneRowLinear else kernel.pack_dim_pairs(layer.weight.detach())
         layer.__class__ = nn.Linear
         shape = tuple(layer.weight.shape)

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine import kernels
 from engine.logits_processors import LogitsAdjuster
 from engine.sampling import SamplingParams
 from engine.sequence import Sequence
@@ -27,6 +28,13 @@ class Sample:
     token_id: int
     logprob: float | None = None
     top_logprobs: dict[int, float] = field(default_factory=dict)
+
+
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first on ties); on a CPU through engine.kernels' argmax_rows, as torch's
+    argmax over a vocabulary runs scalar there (3 ms for 64 rows of 49k logits, against 0.3)."""
+    kernel = kernels.load() if logits.device.type == "cpu" else None
+    return (kernel.argmax_rows(logits) if kernel is not None else torch.argmax(logits, dim=-1)).tolist()
 
 
 class Sampler:
@@ -47,7 +55,7 @@ class Sampler:
         adjusted = self._adjuster.adjust(logits, seqs)
         if self.structured is not None:
             adjusted = self.structured.mask(adjusted, seqs, in_place=adjusted is not logits)
-        token_list = torch.argmax(adjusted, dim=-1).tolist()  # the step's one wait for the device
+        token_list = greedy_tokens(adjusted)  # the step's one wait for the device
         drawn = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
         if drawn:  # drawn on the host with the request's own CPU generator, whatever the device
             host = adjusted[drawn].cpu()

@@ -1,49 +1,43 @@
 """Experiment: speculative decoding (n-gram prompt lookup) against plain decoding, same requests.
 
-    python -m bench.experiments.speculative [--threads N] [--dtype auto|float32|bfloat16] [--quick]
+    python -m bench.experiments.speculative [--threads N] [--dtype auto|float32|bfloat16] [--rounds R] [--quick]
 
 Workload: input-grounded prompts built from this repository's own source (no downloads): "Repeat the
-following code with the variable X renamed to Y" over a function-sized excerpt, greedy, so the answer
+following code with the variable X renamed to Y" over a method of pdserve's code (fixed excerpts,
+bench/experiments/speculative_excerpts.json, so the workload stays the same when the code changes), greedy, so the answer
 mostly copies the prompt; answers end at EOS (most rewrites are done within 110-280 tokens) or at
 `--max-tokens` (256). Each phase runs the same requests through an engine with
-`engine.speculative.method: off` and one with `ngram` (the adaptive switch on, as deployed), in
-one process, in the order off, ngram, ngram, off (each method's figure the mean of its two runs, so a
-drift of the machine's speed during the phase cancels out):
+`engine.speculative.method: off` and one with `ngram` (the adaptive switch on, as deployed), in one
+process on one loaded model, the two engines stepping in turn and each timed on its own steps (so a
+drift of the machine's speed during the phase slows both alike), `--rounds` times (2):
   c1     4 requests, one at a time        tokens/s speculative vs plain (target >= 1.6x)
   c4     16 requests, four at a time      the same (target >= 1.6x)
   load64 64 requests at once              the switch must keep throughput >= 0.97x plain
-Tokens/s = output tokens / wall time of the phase (prefill included). The JSON also holds the
-acceptance rate, the steps that speculated, whether outputs were identical (greedy in float32: they must
-be; in bfloat16 a verifying step's several rows round differently from one-row decodes, so a near tie
-may flip), the dtype (`--dtype`, default what `engine.dtype: auto` picks here),
+Tokens/s = output tokens / the engine's time stepping through the phase (prefill and admission included),
+over all rounds; each round's ratio is kept too. The JSON also holds the acceptance rate, the steps that
+speculated, whether outputs were identical (greedy in float32 they must be; in bfloat16 a verifying step's
+several rows could round differently from one-row decodes, see the docs text), the dtype (`--dtype`, default what `engine.dtype: auto` picks here),
 and the load average (the machine may be shared). Writes bench/results/speculative.json and .png, and
 the "Speculative decoding" section of docs/benchmarks.md (between its markers).
 """
 
 from __future__ import annotations
 
-import re
+import json
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from bench.experiments import common
 
 TARGETS = {"c1": 1.6, "c4": 1.6, "load64": 0.97}
-SOURCES = ("engine/block_manager.py", "engine/scheduler.py", "engine/sampler.py", "engine/sequence.py", "engine/kv_cache.py",
-           "engine/speculative/switch.py", "router/detokenizer.py", "common/validation.py")
+EXCERPTS = Path(__file__).with_name("speculative_excerpts.json")
 
 
 def excerpts(count: int) -> list[tuple[str, str]]:
-    """(function source, a variable in it) from the repository's own code, `count` of them (cycled)."""
-    found: list[tuple[str, str]] = []
-    for name in SOURCES:
-        text = (common.REPO / name).read_text()
-        for match in re.finditer(r"\n    def \w+\(self[^)]*\)[^\n]*:\n(?:        [^\n]*\n|\n){3,14}", text):
-            body = match.group(0).strip("\n")
-            names = [n for n in re.findall(r"\b([a-z_]{3,})\s*=", body) if n != "self"]
-            if names:
-                found.append((body, names[0]))
+    """(method source, a variable in it): `count` of the fixed excerpts of this repository's code (cycled)."""
+    found = [(e["code"], e["variable"]) for e in json.loads(EXCERPTS.read_text())["excerpts"]]
     return [found[i % len(found)] for i in range(count)]
 
 
@@ -54,58 +48,82 @@ def prompts(tokenizer, count: int) -> list[list[int]]:
             for code, var in excerpts(count)]
 
 
-def run_phase(loaded, prompt_ids: list[list[int]], concurrency: int, max_tokens: int, method: str, threads: int | None) -> dict[str, Any]:
-    from engine import Engine, EngineConfig, SamplingParams
+class Run:
+    """One engine (`engine.speculative.method` = method) serving the phase's requests, `concurrency` at a time,
+    timed on its own steps (admitting requests included)."""
 
-    dtype = str(loaded.dtype).removeprefix("torch.")
-    config = EngineConfig(model=loaded.path, dtype=dtype, num_threads=threads, max_num_seqs=max(concurrency, 1),
-                          speculative={"method": method, "num_speculative_tokens": 5})
-    engine = Engine(config, loaded=loaded)
-    outputs: dict[str, list[int]] = {}
-    pending = list(enumerate(prompt_ids))
+    def __init__(self, loaded, prompt_ids: list[list[int]], concurrency: int, max_tokens: int, method: str, threads: int | None):
+        from engine import Engine, EngineConfig
+
+        dtype = str(loaded.dtype).removeprefix("torch.")
+        config = EngineConfig(model=loaded.path, dtype=dtype, num_threads=threads, max_num_seqs=max(concurrency, 1),
+                              speculative={"method": method, "num_speculative_tokens": 5})
+        self.engine = Engine(config, loaded=loaded)
+        self.method, self.concurrency, self.max_tokens = method, concurrency, max_tokens
+        self.requests = len(prompt_ids)
+        self.pending = list(enumerate(prompt_ids))
+        self.outputs: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompt_ids))}
+        self.seconds = 0.0
+
+    @property
+    def done(self) -> bool:
+        return not self.pending and not self.engine.has_work()
+
+    def step(self) -> None:
+        from engine import SamplingParams
+
+        started = time.perf_counter()
+        while self.pending and self.engine.scheduler.num_unfinished < self.concurrency:
+            i, ids = self.pending.pop(0)
+            self.engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=self.max_tokens))
+        for out in self.engine.step():
+            self.outputs[out.request_id].extend(out.new_token_ids)
+        self.seconds += time.perf_counter() - started
+
+    def record(self) -> dict[str, Any]:
+        stats = self.engine.stats()
+        assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
+        tokens = sum(map(len, self.outputs.values()))
+        return {
+            "method": self.method, "requests": self.requests, "concurrency": self.concurrency, "output_tokens": tokens,
+            "seconds": round(self.seconds, 3), "tokens_per_s": round(tokens / self.seconds, 2), "steps": stats.steps,
+            "spec_steps": stats.spec_steps, "proposed": stats.spec_proposed_tokens, "accepted": stats.spec_accepted_tokens,
+            "acceptance_rate": round(stats.spec_accepted_tokens / stats.spec_proposed_tokens, 3) if stats.spec_proposed_tokens else None,
+        }
+
+
+def compare(loaded, name: str, prompt_ids, concurrency: int, max_tokens: int, threads: int | None, rounds: int) -> dict[str, Any]:
+    """Each round, a plain and a speculative engine serve the same requests stepping in turn, each timed on its
+    own steps: a machine whose speed drifts during the phase (a shared VM: two plain runs of one phase a minute
+    apart measured 26 % apart) slows both alike. Each method's tokens/s is over all rounds."""
+    records: dict[str, list[dict[str, Any]]] = {"off": [], "ngram": []}
+    outputs = []
     load_before = common.loadavg()
-    started = time.perf_counter()
-    while pending or engine.has_work():
-        while pending and engine.scheduler.num_unfinished < concurrency:
-            i, ids = pending.pop(0)
-            engine.add_request(f"r{i}", ids, SamplingParams(max_tokens=max_tokens))
-        for out in engine.step():
-            outputs.setdefault(out.request_id, []).extend(out.new_token_ids)
-    wall = time.perf_counter() - started
-    stats = engine.stats()
-    assert stats.free_blocks == stats.total_blocks, "KV blocks leaked"
-    tokens = sum(map(len, outputs.values()))
-    return {
-        "method": method, "requests": len(prompt_ids), "concurrency": concurrency, "output_tokens": tokens, "wall_s": round(wall, 3),
-        "tokens_per_s": round(tokens / wall, 2), "steps": stats.steps, "spec_steps": stats.spec_steps,
-        "proposed": stats.spec_proposed_tokens, "accepted": stats.spec_accepted_tokens,
-        "acceptance_rate": round(stats.spec_accepted_tokens / stats.spec_proposed_tokens, 3) if stats.spec_proposed_tokens else None,
-        "loadavg": [load_before, common.loadavg()], "outputs": [outputs[f"r{i}"] for i in range(len(prompt_ids))],
-    }
-
-
-def compare(loaded, name: str, prompt_ids, concurrency: int, max_tokens: int, threads: int | None) -> dict[str, Any]:
-    """Plain, speculative, speculative, plain (ABBA): each method's tokens/s is the mean of its two runs, so a
-    machine whose speed drifts during the phase (a shared VM) favours neither."""
-    runs = {"off": [], "ngram": []}
-    for method in ("off", "ngram", "ngram", "off"):
-        runs[method].append(run_phase(loaded, prompt_ids, concurrency, max_tokens, method, threads))
-    outputs = [run.pop("outputs") for method_runs in runs.values() for run in method_runs]
+    for _ in range(rounds):
+        runs = [Run(loaded, prompt_ids, concurrency, max_tokens, method, threads) for method in records]
+        while not all(run.done for run in runs):
+            for run in runs:
+                if not run.done:
+                    run.step()
+        for run in runs:
+            records[run.method].append(run.record())
+            outputs.append([run.outputs[f"r{i}"] for i in range(len(prompt_ids))])
     identical = all(out == outputs[0] for out in outputs)
-    plain, spec = (_mean_of(runs[method]) for method in ("off", "ngram"))
+    plain, spec = (_over_rounds(records[method]) for method in ("off", "ngram"))
     ratio = spec["tokens_per_s"] / plain["tokens_per_s"]
-    common.log.info("%s: plain %.1f tok/s, speculative %.1f tok/s (x%.2f; runs %s / %s), acceptance %s, identical %s", name,
-                    plain["tokens_per_s"], spec["tokens_per_s"], ratio, plain["runs_tokens_per_s"], spec["runs_tokens_per_s"],
-                    spec["acceptance_rate"], identical)
-    return {"plain": plain, "speculative": spec, "speedup": round(ratio, 3), "target": TARGETS[name],
-            "meets_target": ratio >= TARGETS[name], "outputs_identical": identical}
+    rounds_ratios = [round(s["tokens_per_s"] / p["tokens_per_s"], 3) for p, s in zip(records["off"], records["ngram"])]
+    common.log.info("%s: plain %.1f tok/s, speculative %.1f tok/s (x%.2f; rounds %s), acceptance %s, identical %s", name,
+                    plain["tokens_per_s"], spec["tokens_per_s"], ratio, rounds_ratios, spec["acceptance_rate"], identical)
+    return {"plain": plain, "speculative": spec, "speedup": round(ratio, 3), "rounds_speedup": rounds_ratios, "target": TARGETS[name],
+            "meets_target": ratio >= TARGETS[name], "outputs_identical": identical, "loadavg": [load_before, common.loadavg()]}
 
 
-def _mean_of(runs: list[dict[str, Any]]) -> dict[str, Any]:
-    """The first run's record with tokens/s and wall time the mean of the runs', each run's tokens/s kept."""
-    wall = sum(r["wall_s"] for r in runs) / len(runs)
-    return {**runs[0], "wall_s": round(wall, 3), "tokens_per_s": round(runs[0]["output_tokens"] / wall, 2),
-            "runs_tokens_per_s": [r["tokens_per_s"] for r in runs]}
+def _over_rounds(records: list[dict[str, Any]]) -> dict[str, Any]:
+    """The first round's record with seconds and tokens/s over all rounds, each round's tokens/s kept."""
+    seconds = sum(r["seconds"] for r in records)
+    tokens = sum(r["output_tokens"] for r in records)
+    return {**records[0], "seconds": round(seconds, 3), "tokens_per_s": round(tokens / seconds, 2),
+            "rounds_tokens_per_s": [r["tokens_per_s"] for r in records]}
 
 
 def plot(phases: dict[str, dict]) -> str:
@@ -134,8 +152,9 @@ def markdown(report: dict[str, Any]) -> str:
         BEGIN, "## Speculative decoding (bench/experiments/speculative.py)", "",
         f"SmolLM2-135M ({report.get('dtype', 'float32')}, CPU), greedy, input-grounded prompts from this repository's code (\"Repeat the following code with the "
         "variable X renamed to Y\"), `engine.speculative: {method: ngram, num_speculative_tokens: 5}` with the adaptive switch, against "
-        "`method: off`; tokens/s = output tokens / wall time, prefill included, each method run twice per phase in the order "
-        "off, ngram, ngram, off and its two wall times averaged. Outputs identical in every run of every phase: "
+        "`method: off`; the two engines share the loaded model and step in turn, each timed on its own steps (prefill included), "
+        f"so a drift of the machine's speed slows both alike; tokens/s = output tokens / that time over {report['rounds']} rounds "
+        "(the ratio of each round in brackets). Outputs identical in every round of every phase: "
         f"{all(p['outputs_identical'] for p in report['phases'].values())}.", "",
         f"Machine: {m['cpus']} CPUs ({m.get('cpu') or m.get('cpu_model')}), torch {m['torch']}, commit {m['git_commit']}; load average "
         f"{'/'.join(map(str, m['loadavg_start']))} at start, {'/'.join(map(str, m['loadavg_end']))} at end (the machine was shared); "
@@ -145,7 +164,8 @@ def markdown(report: dict[str, Any]) -> str:
     ]
     for name, p in report["phases"].items():
         plain, spec = p["plain"], p["speculative"]
-        lines.append(f"| {name} | {plain['requests']} | {plain['tokens_per_s']} | {spec['tokens_per_s']} | x{p['speedup']:.2f} | "
+        each_round = ", ".join(f"x{r:.2f}" for r in p["rounds_speedup"])
+        lines.append(f"| {name} | {plain['requests']} | {plain['tokens_per_s']} | {spec['tokens_per_s']} | x{p['speedup']:.2f} ({each_round}) | "
                      f">= {p['target']} | {spec['acceptance_rate']} | "
                      f"{plain['steps']} / {spec['steps']}, {spec['spec_steps']} |")
     lines += ["", "What decides the ratios on a CPU: a step verifying 1 + k tokens of a request costs more than a one-token decode "
@@ -175,6 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=256, help="most tokens per answer (load64: a third)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                         help="model dtype (auto: what engine.dtype auto picks here)")
+    parser.add_argument("--rounds", type=int, default=2, help="rounds per phase (each: both engines over the same requests, in turn)")
     parser.add_argument("--quick", action="store_true", help="tiny run (results under bench/results/quick/)")
     args = parser.parse_args(argv)
     info, started = common.begin(args.quick)
@@ -185,12 +206,13 @@ def main(argv: list[str] | None = None) -> int:
     n = 2 if args.quick else 4
     max_tokens = 16 if args.quick else args.max_tokens
     phases = {
-        "c1": compare(loaded, "c1", prompts(loaded.tokenizer, n), 1, max_tokens, args.threads),
-        "c4": compare(loaded, "c4", prompts(loaded.tokenizer, 4 * n), 4, max_tokens, args.threads),
-        "load64": compare(loaded, "load64", prompts(loaded.tokenizer, 8 if args.quick else 64), 64, max_tokens // 3, args.threads),
+        "c1": compare(loaded, "c1", prompts(loaded.tokenizer, n), 1, max_tokens, args.threads, args.rounds),
+        "c4": compare(loaded, "c4", prompts(loaded.tokenizer, 4 * n), 4, max_tokens, args.threads, args.rounds),
+        "load64": compare(loaded, "load64", prompts(loaded.tokenizer, 8 if args.quick else 64), 64, max_tokens // 3, args.threads,
+                          args.rounds),
     }
     report = {"command": common.command_line(), "machine": common.finish(info, started), "dtype": str(loaded.dtype).removeprefix("torch."),
-              "targets": TARGETS, "phases": phases,
+              "targets": TARGETS, "rounds": args.rounds, "phases": phases,
               "plot": plot(phases)}
     common.save("speculative", report)
     if not args.quick:

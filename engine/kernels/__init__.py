@@ -2,7 +2,7 @@
 
 Lifecycle: `load()` compiles this folder's sources (`paged_attention.cpp`: decode attention over the
 paged pool; `small_matmul.cpp`: linear layers on inputs of few rows; `one_row_linear.cpp`: bf16 linear layers whose
-rows sum as a lone row does; `bindings.cpp`: the module) with
+rows sum as a lone row does; `argmax_rows.cpp`: greedy tokens from logits rows; `bindings.cpp`: the module) with
 the host's compiler for the host's CPU (`-march=native`) into `~/.cache/pdserve/kernels/<key>/` the
 first time it is called on a machine (the setup step runs `python -m engine.kernels`, so serving never
 waits for a compile), then imports the built module; later calls and later processes reuse it. The key
@@ -28,7 +28,7 @@ import torch
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
-SOURCES = ("paged_attention.cpp", "small_matmul.cpp", "one_row_linear.cpp", "bindings.cpp")
+SOURCES = ("paged_attention.cpp", "small_matmul.cpp", "one_row_linear.cpp", "argmax_rows.cpp", "bindings.cpp")
 HEADERS = ("kernels.h", "vector.h")
 CACHE_ROOT = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]

@@ -14,4 +14,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_dim_pairs", &pdserve::pack_dim_pairs, "a bf16 weight [N, K] as [K/2, N] words of dim pairs (for one_row_linear)");
   m.def("one_row_linear", &pdserve::one_row_linear, "bf16 x @ weight.T, each row summed as torch sums a lone row (CPU)",
         pybind11::arg("x"), pybind11::arg("packed"));
+  m.def("argmax_rows", &pdserve::argmax_rows, "each row's argmax, as torch.argmax(logits, -1) (CPU, float32 or bf16)",
+        pybind11::arg("logits"));
 }

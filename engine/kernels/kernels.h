@@ -21,4 +21,7 @@ bool one_row_linear_available();
 at::Tensor pack_dim_pairs(at::Tensor weight);
 at::Tensor one_row_linear(at::Tensor x, at::Tensor packed);
 
+// argmax_rows.cpp: each row's argmax (as torch.argmax: the first on ties), float32 or bf16 rows.
+at::Tensor argmax_rows(at::Tensor logits);
+
 }  // namespace pdserve

@@ -10,7 +10,7 @@ bonus). The engine appends the accepted tokens one by one (stop rules apply to e
 their KV as computed, and `Speculator.release_unused` frees blocks that now hold only rejected slots.
 """
 
-from engine.speculative.proposer import NgramProposer, Proposer
+from engine.speculative.proposer import NgramProposer, Proposal, Proposer
 from engine.speculative.speculator import SpeculativeStats, Speculator
 
-__all__ = ["NgramProposer", "Proposer", "Speculator", "SpeculativeStats"]
+__all__ = ["NgramProposer", "Proposal", "Proposer", "Speculator", "SpeculativeStats"]

@@ -20,7 +20,7 @@ from engine.block_manager import BlockManager
 from engine.sampler import Sample, Sampler
 from engine.scheduler import ScheduledSeq
 from engine.sequence import Sequence
-from engine.speculative.proposer import NgramProposer, Proposer
+from engine.speculative.proposer import NgramProposer, Proposal, Proposer
 from engine.speculative.switch import SpeculationSwitch
 from engine.speculative.verify import verify
 from engine.step import StepItem
@@ -56,21 +56,23 @@ class Speculator:
         self.proposer = build_proposer(config)
         self.switch = SpeculationSwitch(config.adaptive)
         self.stats = SpeculativeStats()
+        self._kinds: dict[str, str] = {}
+        """The kind of each sequence's proposal in the step being run."""
 
     def propose(self, scheduled: list[ScheduledSeq]) -> dict[int, list[int]]:
         """Proposals by index into `scheduled`, only for decoding sequences the switch keeps."""
         base = sum(s.num_tokens for s in scheduled)
         budget = self.max_num_batched_tokens - base
-        candidates: dict[str, tuple[int, list[int]]] = {}
+        candidates: dict[str, tuple[int, Proposal]] = {}
         for i, item in enumerate(scheduled):
             seq = item.seq
             k = min(self.k, budget, seq.params.max_tokens - len(seq.output_token_ids) - 1)
             if k <= 0 or item.num_tokens != 1 or not item.samples or not may_speculate(seq):
                 continue
             proposal = self.proposer.propose(seq.request_id, seq.token_ids, k)
-            if proposal:
+            if proposal is not None and proposal.tokens:
                 candidates[seq.request_id] = (i, proposal)
-                budget -= len(proposal)
+                budget -= len(proposal.tokens)
         num_outputs = sum(1 for s in scheduled if s.samples)
         chosen = self.switch.choose(base, num_outputs, {rid: p for rid, (_, p) in candidates.items()})
         out: dict[int, list[int]] = {}
@@ -78,7 +80,8 @@ class Speculator:
             i, proposal = candidates[rid]
             seq = scheduled[i].seq
             if self.blocks.grow(seq, seq.num_computed_tokens + 1 + n):
-                out[i] = proposal[:n]
+                out[i] = proposal.tokens[:n]
+                self._kinds[rid] = proposal.kind
         return out
 
     @staticmethod
@@ -103,7 +106,7 @@ class Speculator:
             if proposal:
                 results[j] = verify(logits[starts[j] : starts[j] + 1 + len(proposal)], seqs[j], proposal, sampler)
                 accepted = len(results[j]) - 1
-                self.switch.acceptance.record(seqs[j].request_id, len(proposal), accepted)
+                self.switch.acceptance.record(self._kinds.pop(seqs[j].request_id), len(proposal), accepted)
                 self.stats.proposed_tokens += len(proposal)
                 self.stats.accepted_tokens += accepted
                 verified += 1
@@ -118,4 +121,4 @@ class Speculator:
 
     def forget(self, request_id: str) -> None:
         self.proposer.forget(request_id)
-        self.switch.acceptance.forget(request_id)
+        self._kinds.pop(request_id, None)

@@ -2,15 +2,16 @@
 
 `StepCostModel` times the engine's steps: plain steps give the mean step time per token count
 (interpolated between counts), verifying steps the overhead a verifying sequence adds beyond its
-tokens. `AcceptanceTracker` keeps the measured acceptance rate, globally and per sequence (shrunk
-towards the global rate until the sequence has history). Each step, `SpeculationSwitch.choose` ranks
-every candidate proposed token by its probability of being kept (alpha^j for the j-th token of a
-sequence with rate alpha) and keeps the best-ranked m that maximise expected tokens per second:
+tokens. `AcceptanceTracker` measures acceptance per proposal kind (engine.speculative.proposer): how
+often a proposal's first token is kept, and how often a token is kept once the one before it was
+(kinds without history start at the rates over all kinds). Each step, `SpeculationSwitch.choose`
+ranks every candidate proposed token by its probability of being kept (first * next^(j-1) for the
+j-th token of a proposal) and keeps the best-ranked m that maximise expected tokens per second:
 (outputs + kept gain) / (t(T0 + m) + overhead * sequences verifying) against outputs / t(T0). At low
-load a verified token costs little and all pay; at a large batch or token budget none does. Until
-plain steps have been timed it does not speculate; until the overhead is known, and every
+load a verified token costs little and all but hopeless ones pay; at a large batch or token budget none
+does. Until plain steps have been timed it does not speculate; until the overhead is known, and every
 `PROBE_EVERY` steps it kept nothing, it verifies one sequence's proposal (to measure the overhead and
-refresh the acceptance rate it relies on; cheap at any load).
+refresh the acceptance rates it relies on; cheap at any load).
 """
 
 from __future__ import annotations
@@ -21,12 +22,16 @@ from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from engine.speculative.proposer import Proposal
+
 PROBE_EVERY = 16
 OVERHEAD_SAMPLES = 15
 EMA = 0.2
 """Weight of the newest measurement in a moving average."""
 PRIOR_WEIGHT = 4.0
-"""A sequence's acceptance counts as this many proposed tokens at the global rate before its own."""
+"""A kind's acceptance counts as this many trials at the rate over all kinds before its own."""
+HISTORY = 256
+"""Trials a rate remembers (older ones fade)."""
 MAX_POINTS = 64
 
 
@@ -86,28 +91,49 @@ def _slope(points: list[tuple[int, float]]) -> float:
 
 @dataclass
 class _Rate:
-    proposed: float = 0.0
-    accepted: float = 0.0
+    kept: float = 0.0
+    tried: float = 0.0
+
+    def add(self, kept: int, tried: int) -> None:
+        self.kept += kept
+        self.tried += tried
+        if self.tried > HISTORY:  # older trials fade: a kind's rate follows the traffic
+            self.kept *= HISTORY / self.tried
+            self.tried = HISTORY
+
+    def estimate(self, prior: float) -> float:
+        return (self.kept + PRIOR_WEIGHT * prior) / (self.tried + PRIOR_WEIGHT)
 
 
 class AcceptanceTracker:
+    """Per proposal kind, two measured rates: the first proposed token kept, and a token kept once the
+    one before it was (a proposal's tokens are kept as a prefix). A kind's estimates start at the rates
+    over all kinds, which start at `initial`."""
+
     def __init__(self, initial: float = 0.5):
-        self.rate = initial
-        self._seqs: dict[str, _Rate] = {}
+        self._all = (_Rate(), _Rate())
+        self._initial = initial
+        self._kinds: dict[str, tuple[_Rate, _Rate]] = {}
 
-    def record(self, request_id: str, proposed: int, accepted: int) -> None:
-        if proposed:
-            self.rate += EMA * (accepted / proposed - self.rate)
-            seq = self._seqs.setdefault(request_id, _Rate())
-            seq.proposed += proposed
-            seq.accepted += accepted
+    def record(self, kind: str, proposed: int, accepted: int) -> None:
+        if not proposed:
+            return
+        first_kept = min(accepted, 1)
+        next_tried = min(accepted, proposed - 1)  # tokens 2.. that were reached
+        for first, following in (self._all, self._kinds.setdefault(kind, (_Rate(), _Rate()))):
+            first.add(first_kept, 1)
+            following.add(accepted - first_kept, next_tried)
 
-    def rate_of(self, request_id: str) -> float:
-        seq = self._seqs.get(request_id, _Rate())
-        return (seq.accepted + PRIOR_WEIGHT * self.rate) / (seq.proposed + PRIOR_WEIGHT)
+    def rates(self, kind: str) -> tuple[float, float]:
+        """(first token kept, next token kept after a kept one) for proposals of `kind`."""
+        first_all, next_all = (rate.estimate(self._initial) for rate in self._all)
+        first, following = self._kinds.get(kind, (_Rate(), _Rate()))
+        return first.estimate(first_all), following.estimate(next_all)
 
-    def forget(self, request_id: str) -> None:
-        self._seqs.pop(request_id, None)
+    def gains(self, kind: str, length: int) -> list[float]:
+        """The probability that each of the first `length` tokens of a proposal of `kind` is kept."""
+        first, following = self.rates(kind)
+        return [first * following ** j for j in range(length)]
 
 
 class SpeculationSwitch:
@@ -117,14 +143,14 @@ class SpeculationSwitch:
         self.acceptance = AcceptanceTracker()
         self._idle_steps = 0
 
-    def choose(self, base_tokens: int, num_outputs: int, proposals: dict[str, list[int]]) -> dict[str, int]:
+    def choose(self, base_tokens: int, num_outputs: int, proposals: dict[str, Proposal]) -> dict[str, int]:
         """How many of each sequence's proposed tokens to verify this step (sequences left out: none).
         base_tokens: the step's tokens without proposals; num_outputs: sequences sampling in it."""
-        gains = sorted(((self.acceptance.rate_of(rid) ** j, rid) for rid, p in proposals.items() for j in range(1, len(p) + 1)),
+        if not self.adaptive:
+            return {rid: len(p.tokens) for rid, p in proposals.items() if p.tokens}
+        gains = sorted(((gain, rid) for rid, p in proposals.items() for gain in self.acceptance.gains(p.kind, len(p.tokens))),
                        reverse=True)
         plain = self.cost.curve()
-        if not self.adaptive:
-            return {rid: len(p) for rid, p in proposals.items() if p}
         if plain is None:
             return {}  # time plain steps first
         if self.cost.overhead is None:
@@ -147,7 +173,7 @@ class SpeculationSwitch:
             chosen[rid] = chosen.get(rid, 0) + 1
         return chosen
 
-    def _probe(self, gains: list[tuple[float, str]], proposals: dict[str, list[int]]) -> dict[str, int]:
+    def _probe(self, gains: list[tuple[float, str]], proposals: dict[str, Proposal]) -> dict[str, int]:
         self._idle_steps = 0
         rid = gains[0][1] if gains else None
-        return {rid: len(proposals[rid])} if rid is not None else {}
+        return {rid: len(proposals[rid].tokens)} if rid is not None else {}

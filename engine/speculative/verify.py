@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from engine.sampler import Sample, Sampler
+from engine.sampler import Sample, Sampler, greedy_tokens
 from engine.sequence import Sequence
 
 
 def verify(rows: torch.Tensor, seq: Sequence, proposal: list[int], sampler: Sampler) -> list[Sample]:
     """The tokens to append: the kept prefix of `proposal` and one more from the target."""
     if seq.params.greedy:
-        best = torch.argmax(rows, dim=-1).tolist()
+        best = greedy_tokens(rows)
         kept = 0
         while kept < len(proposal) and best[kept] == proposal[kept]:
             kept += 1

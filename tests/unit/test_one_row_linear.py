@@ -60,16 +60,21 @@ def test_install_takes_the_layers_whose_lone_rows_differ_and_keeps_their_output(
     assert sorted(model[0].state_dict()) == ["weight"]
 
 
-def test_a_model_shared_by_two_engines_serves_the_newest_runner():
-    """Installing again (a second engine on the same loaded model) rebinds the layers to the new LoneRows:
-    the first runner's last step must not decide how the second one's prompt rows are summed."""
+def test_engines_sharing_a_model_share_its_lone_rows_and_each_sets_them_before_its_forward():
+    """A second engine on the same loaded model installs again and gets the same LoneRows: whichever runner
+    set it last decides the next forward, so engines stepping in turn each get their own rows."""
     model = nn.Sequential(nn.Linear(1536, 576, bias=False)).to(torch.bfloat16)
     first = one_row_linear.install(model)
     if first is None:
         pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU")
-    first.set([StepItem(token_ids=[5], start=7, block_ids=[1], samples=True)])  # the first runner's last step: all decode
     second = one_row_linear.install(model)
-    assert second is not first and model[0].lone_rows is second
-    second.set([StepItem(token_ids=[1, 2, 3, 4, 5, 6], start=0, block_ids=[0], samples=True)])  # a prompt
+    assert second is first and model[0].lone_rows is first
     x = _rows(6, 1536, seed=4)
-    assert torch.equal(model[0](x[None])[0], F.linear(x, model[0].weight))
+    first.set([StepItem(token_ids=[5], start=7 + i, block_ids=[1], samples=True) for i in range(6)])  # six decodes
+    decoded = model[0](x[None])[0]
+    second.set([StepItem(token_ids=[1, 2, 3, 4, 5, 6], start=0, block_ids=[0], samples=True)])  # a prompt
+    prefilled = model[0](x[None])[0]
+    assert torch.equal(prefilled, F.linear(x, model[0].weight))
+    for row in range(6):
+        assert torch.equal(decoded[row], F.linear(x[row : row + 1], model[0].weight)[0])
+    assert not torch.equal(decoded, prefilled), "the probe found lone rows summed differently; these rows must show it"

@@ -14,9 +14,9 @@ from common.validation import ConfigError
 from engine import SamplingParams
 from engine.model_loader import LoadedModel
 from engine.sequence import Sequence
-from engine.speculative import NgramProposer
+from engine.speculative import NgramProposer, Proposal
 from engine.speculative.speculator import may_speculate
-from engine.speculative.switch import PROBE_EVERY, SpeculationSwitch, StepCostModel
+from engine.speculative.switch import PROBE_EVERY, AcceptanceTracker, SpeculationSwitch, StepCostModel
 from tests.conftest import assert_no_leaked_blocks, make_engine, run_to_completion
 
 VOCAB = 8
@@ -78,15 +78,46 @@ def test_rejection_sampling_keeps_the_target_distribution():
 
 def test_ngram_proposer_follows_the_latest_earlier_occurrence():
     proposer = NgramProposer(min_n=2, max_n=3)
-    assert proposer.propose("r", [1, 2, 3, 4, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == [7, 5]  # latest match of the 3-gram
-    assert proposer.propose("r", [1, 2, 3, 4, 9, 2, 3], 5) == [4, 9, 2, 3]  # 2-gram; capped by the sequence's end
-    assert proposer.propose("r", [1, 2, 3, 4], 3) == []
-    assert proposer.propose("r", [6, 6, 6], 3) == [6]  # an occurrence overlapping the suffix
+    assert proposer.propose("r", [1, 2, 3, 4, 9, 1, 2, 3, 7, 5, 1, 2, 3], 2) == Proposal([7, 5], "3-gram, seen going two ways")
+    assert proposer.propose("r", [1, 2, 3, 4, 9, 2, 3], 5) == Proposal([4, 9, 2, 3], "2-gram, seen once")  # capped by the end
+    assert proposer.propose("r", [1, 2, 3, 4], 3) is None
+    assert proposer.propose("r", [6, 6, 6], 3) == Proposal([6], "2-gram, seen once")  # an occurrence overlapping the suffix
+    assert proposer.propose("r", [5, 1, 2, 8, 1, 2, 8, 1, 2], 1).kind == "3-gram, seen once"
+    bigrams = NgramProposer(min_n=2, max_n=2)
+    assert bigrams.propose("r", [5, 1, 2, 8, 1, 2, 8, 1, 2], 1) == Proposal([8], "2-gram, seen going one way")
+
+
+def test_acceptance_is_measured_per_kind_first_token_and_following_tokens_apart():
+    acceptance = AcceptanceTracker(initial=0.5)
+    assert acceptance.gains("new", 2) == [0.5, 0.25]
+    for _ in range(40):
+        acceptance.record("long match", 4, 4)
+        acceptance.record("short match", 4, 0)
+    long_first, long_next = acceptance.rates("long match")
+    short_first, _ = acceptance.rates("short match")
+    assert long_first > 0.9 and long_next > 0.9 and short_first < 0.1
+    first_all, _ = acceptance.rates("never seen")
+    assert 0.4 < first_all < 0.6, "an unseen kind starts at the rate over all kinds"
+    acceptance.record("partly", 4, 2)  # first kept, second kept, third tried and rejected
+    assert acceptance._kinds["partly"][0].kept == 1 and acceptance._kinds["partly"][1].tried == 2
+    assert acceptance._kinds["partly"][1].kept == 1
+
+
+def test_switch_verifies_the_kinds_that_pay_and_leaves_the_others():
+    switch = SpeculationSwitch(adaptive=True)
+    for tokens in (8, 16, 40) * 40:  # compute-bound: a verified token costs a fifth of a sequence's step
+        switch.cost.record(tokens, 0, 0.010 + 0.001 * tokens)
+    switch.cost.record(12, 1, 0.022 + 0.001)
+    for _ in range(60):
+        switch.acceptance.record("long", 3, 3)
+        switch.acceptance.record("ambiguous", 3, 0)
+    proposals = {"a": Proposal([1, 2, 3], "long"), "b": Proposal([1, 2, 3], "ambiguous")}
+    assert switch.choose(8, 8, proposals) == {"a": 3}
 
 
 def test_switch_measures_then_turns_speculation_off_when_verified_tokens_cost_more_than_they_bring():
     switch = SpeculationSwitch(adaptive=True)
-    proposals = {f"r{i}": [1, 2, 3] for i in range(8)}
+    proposals = {f"r{i}": Proposal([1, 2, 3], "3-gram, seen once") for i in range(8)}
     assert switch.choose(8, 8, proposals) == {}, "plain steps are timed first"
     for tokens in (8, 16, 40):  # decode-bound: a plain step costs about the same whatever its size
         switch.cost.record(tokens, 0, 0.020)
@@ -96,8 +127,8 @@ def test_switch_measures_then_turns_speculation_off_when_verified_tokens_cost_mo
     for tokens in (8, 16, 40) * 40:  # compute-bound: time proportional to tokens (the averages converge)
         switch.cost.record(tokens, 0, 0.001 * tokens)
     assert switch.choose(8, 8, proposals) == {}
-    for i in range(8):
-        switch.acceptance.record(f"r{i}", 3, 0)
+    for _ in range(8):
+        switch.acceptance.record("3-gram, seen once", 3, 0)
     probes = [chosen for chosen in (switch.choose(8, 8, proposals) for _ in range(PROBE_EVERY)) if chosen]
     assert len(probes) == 1 and len(probes[0]) == 1, "every PROBE_EVERY idle steps one sequence speculates to re-measure acceptance"
 
