@@ -159,7 +159,7 @@ def markdown(report: dict[str, Any]) -> str:
         f"Machine: {m['cpus']} CPUs ({m.get('cpu') or m.get('cpu_model')}), torch {m['torch']}, commit {m['git_commit']}; load average "
         f"{'/'.join(map(str, m['loadavg_start']))} at start, {'/'.join(map(str, m['loadavg_end']))} at end (the machine was shared); "
         f"took {m['duration_s']} s.", "", f"Command: `{report['command']}`", "",
-        "| phase | requests | plain tok/s | speculative tok/s | ratio | target | acceptance | steps (plain / spec, of which verifying) |",
+        "| phase | requests | plain tok/s | speculative tok/s | ratio | target | acceptance | steps, first round (plain / spec, of which verifying) |",
         "|---|---:|---:|---:|---:|---:|---:|---|",
     ]
     for name, p in report["phases"].items():
@@ -168,6 +168,7 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {name} | {plain['requests']} | {plain['tokens_per_s']} | {spec['tokens_per_s']} | x{p['speedup']:.2f} ({each_round}) | "
                      f">= {p['target']} | {spec['acceptance_rate']} | "
                      f"{plain['steps']} / {spec['steps']}, {spec['spec_steps']} |")
+    load = report["phases"]["load64"]["speculative"]
     lines += ["", "What decides the ratios on a CPU: a step verifying 1 + k tokens of a request costs more than a one-token decode "
               "step, because its linear layers get 1 + k rows per request and its attention one multi-query row of the C++ "
               "decode kernel (each query causal inside the row, the same kernel call as the plain decodes). How much more depends "
@@ -175,8 +176,10 @@ def markdown(report: dict[str, Any]) -> str:
               "the small-matmul kernel (engine/small_matmul.py) makes steps of a few rows cheap, up to its crossover (12-32 "
               "rows by layer), and four requests verifying 1 + 5 tokens each (24 rows) pass that crossover for most layers. "
               "At four requests in flight the gain is smaller than at one: their plain steps already have four rows, so a verified "
-              "token saves less of a step, and a step's cost grows with every row it verifies. The switch turns speculation off at 64 "
-              "requests (its probes, one request every 16 idle steps, are what remains). Outputs are identical token for token in "
+              "token saves less of a step, and a step's cost grows with every row it verifies. At 64 requests the switch keeps only "
+              f"the proposals whose kind is kept often enough to pay at that batch (first round: {load['spec_steps']} of {load['steps']} "
+              f"steps verified some, {load['proposed']} tokens proposed, acceptance {load['acceptance_rate']}), and "
+              "throughput stays that of plain decoding. Outputs are identical token for token in "
               "float32, and in bfloat16 on a CPU where the engine sums as torch does (AVX512-BF16 without AMX: a verifying row "
               "attends and runs its down projection as a one-token decode does; engine/kernels/paged_attention.cpp, "
               "engine.one_row_linear); elsewhere a near tie can flip. On a GPU, where decode is bound by reading weights and verification is almost "
