@@ -78,8 +78,7 @@ def install(model: nn.Module) -> LoneRows | None:
     kernel = kernels.load()
     if kernel is None or not kernel.one_row_linear_available():
         return None
-    installed = [m.lone_rows for m in model.modules() if type(m) is OneRowLinear]
-    lone_rows = installed[0] if installed else LoneRows()
+    lone_rows = next((m.lone_rows for m in model.modules() if type(m) is OneRowLinear), None) or LoneRows()
     verdicts: dict[tuple[int, int], bool] = {}
     for layer in [m for m in model.modules() if type(m) in (nn.Linear, OneRowLinear) and _eligible(m)]:
         packed = layer.packed if type(layer) is OneRowLinear else kernel.pack_dim_pairs(layer.weight.detach())
