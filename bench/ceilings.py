@@ -1,6 +1,9 @@
 """The model's attention-free ceilings: its forward with attention replaced by a function that returns
-the query unchanged, so only the matmuls (and norms) run. `matmul_ceiling_forward` is one step of a
-batch of single decode tokens, `run_prefill_ceiling` times one packed prompt chunk; `workload_ceiling` combines them
+the query unchanged, so only the matmuls (and norms) run, each linear layer as the engine runs it
+(`_linears_as_in_engine`: few rows through the small-matmul kernel in float32, decode rows through
+engine.one_row_linear's kernel in bf16, where the engine sends them there; the rest through torch).
+`matmul_ceiling_forward` is one step of a batch of single decode tokens, `run_prefill_ceiling` times
+one packed prompt chunk; `workload_ceiling` combines them
 into the best useful tokens/s any engine could reach on a workload here (the bound; the engine's
 fraction of it is `engine_over_bound` among bench.engine's ratios). `run_memory_ceiling` measures how fast
 one thread reads memory here, which prices what the attention-free bound leaves out and no decode
@@ -17,6 +20,7 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_workload import Workload
+from engine import one_row_linear, small_matmul
 
 NOATTN_IMPLEMENTATION = "pdserve_noattn"
 
@@ -35,16 +39,25 @@ def _register_no_attention() -> str:
     return NOATTN_IMPLEMENTATION
 
 
+def _linears_as_in_engine(model: torch.nn.Module) -> one_row_linear.LoneRows | None:
+    """The engine's ModelRunner installs the same two on its model (CPU)."""
+    small_matmul.install(model)
+    return one_row_linear.install(model)
+
+
 def matmul_ceiling_forward(model: torch.nn.Module, batch: int, position: int, vocab_size: int) -> Callable[[], None]:
     """The matmul ceiling's step, warmed up: one attention-free forward of `batch` single decode tokens at
     `position` (bench.engine times it step by step, alternating with the engine's own decode steps)."""
     model.set_attn_implementation(_register_no_attention())
+    lone_rows = _linears_as_in_engine(model)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch, 1), generator=gen)
     positions = torch.full((batch, 1), position, dtype=torch.long)
 
     @torch.inference_mode()
     def forward() -> None:
+        if lone_rows is not None:
+            lone_rows.set_all(decoding=True)
         model(input_ids=ids, position_ids=positions, use_cache=False)
 
     forward()
@@ -71,6 +84,9 @@ def run_prefill_ceiling(model: torch.nn.Module, tokens: int, iters: int, vocab_s
     """The same attention-free forward on one packed prompt chunk of `tokens` tokens (logits of the last
     only): the most prompt tokens per second any engine gets out of these matmuls."""
     model.set_attn_implementation(_register_no_attention())
+    lone_rows = _linears_as_in_engine(model)
+    if lone_rows is not None:
+        lone_rows.set_all(decoding=False)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size, (1, tokens), generator=gen)
     positions = torch.arange(tokens).unsqueeze(0)

@@ -12,7 +12,9 @@ layers in the model's order so that every weight comes from memory as in a forwa
 weight sits in cache favours torch's GEMM, one read from memory favours the kernel: on an AMD EPYC the
 576x576 projections cross over at ~12 rows, the 49152x576 LM head at ~32). It then turns each such
 `nn.Linear` into a `FewRowsLinear` (the same module: parameters, hooks and state dict unchanged) that
-sends inputs of at most its shape's crossover rows to the kernel and the rest to torch.
+sends inputs of at most its shape's crossover rows to the kernel and the rest to torch. `crossovers` also
+decides, the same way, how many rows engine.one_row_linear's bf16 layers take to their kernel (`_kernel`
+picks the kernel by the layer).
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ from engine import kernels
 
 log = logging.getLogger(__name__)
 
-CANDIDATE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32)
+CANDIDATE_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 48, 64)
 ROUNDS = 2
 
 CROSSOVERS_FILE = "small_matmul_crossovers.json"
@@ -68,7 +70,7 @@ def install(model: nn.Module) -> dict[str, int]:
 
 
 def shape_key(weight: torch.Tensor) -> str:
-    return f"{weight.shape[0]}x{weight.shape[1]}/{torch.get_num_threads()} threads"
+    return f"{weight.shape[0]}x{weight.shape[1]} {str(weight.dtype).removeprefix('torch.')}/{torch.get_num_threads()} threads"
 
 
 def _eligible(w: torch.Tensor) -> bool:
@@ -76,7 +78,7 @@ def _eligible(w: torch.Tensor) -> bool:
 
 
 def crossovers(layers: list[nn.Linear]) -> dict[str, int]:
-    """Per weight shape of `layers` (in the model's order), the most rows up to which the kernel beats
+    """Per weight shape of `layers` (in the model's order), the most rows up to which its kernel (`_kernel`) beats
     torch here: the largest of CANDIDATE_ROWS where it is faster and, summed over the counts up to it, not
     slower. Shapes this machine has not measured yet are measured now and kept (CROSSOVERS_FILE)."""
     path = kernels.build_directory() / CROSSOVERS_FILE
@@ -107,10 +109,9 @@ def _measure(layers: list[nn.Linear]) -> dict[str, int]:
 def _best_times(layers: list[nn.Linear], count: int) -> tuple[dict[str, float], dict[str, float]]:
     """Seconds per shape key for one pass over `layers` on `count` rows: the kernel's and torch's, passes
     alternating, each shape's best of ROUNDS (one slow sample on a shared machine does not decide)."""
-    kernel = kernels.load()
-    inputs = {n: torch.randn(count, n) for n in {layer.in_features for layer in layers}}
-    calls = (lambda layer: kernel.small_matmul(inputs[layer.in_features], layer.weight, None),
-             lambda layer: F.linear(inputs[layer.in_features], layer.weight))
+    inputs = {(layer.in_features, layer.weight.dtype): torch.randn(count, layer.in_features).to(layer.weight.dtype) for layer in layers}
+    calls = (lambda layer: _kernel(layer, inputs[layer.in_features, layer.weight.dtype]),
+             lambda layer: F.linear(inputs[layer.in_features, layer.weight.dtype], layer.weight))
     best = [{shape_key(layer.weight): float("inf") for layer in layers} for _ in calls]
     for _ in range(ROUNDS):
         for call, times in zip(calls, best):
@@ -122,6 +123,15 @@ def _best_times(layers: list[nn.Linear], count: int) -> tuple[dict[str, float], 
             for key, seconds in spent.items():
                 times[key] = min(times[key], seconds)
     return best[0], best[1]
+
+
+def _kernel(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """The kernel the layer would send few rows to: engine.one_row_linear's for a layer holding its weight
+    packed for it (bf16), else the small-matmul kernel."""
+    packed = getattr(layer, "packed", None)
+    if packed is not None:
+        return kernels.load().one_row_linear(x, packed)
+    return kernels.load().small_matmul(x, layer.weight, None)
 
 
 def _read(path) -> dict[str, int]:

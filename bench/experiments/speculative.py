@@ -172,7 +172,11 @@ def markdown(report: dict[str, Any]) -> str:
     lines += ["", "What decides the ratios on a CPU: a step verifying 1 + k tokens of a request costs more than a one-token decode "
               "step, because its linear layers get 1 + k rows per request and its attention one multi-query row of the C++ "
               "decode kernel (each query causal inside the row, the same kernel call as the plain decodes). How much more depends "
-              "on the CPU: with AMX in bfloat16 the forward's matmuls cost little more up to ~16 rows; in float32 on an AVX2 CPU "
+              "on the CPU: with AMX in bfloat16 the forward's matmuls cost little more up to ~16 rows; in bfloat16 with AVX512-BF16 "
+              "and no AMX the lone-row kernel (engine.one_row_linear) streams the weights once per four rows, so one row costs "
+              "little more than reading them, and each further row adds its own dot products (one pass over the layers: 11 ms "
+              "for 1 row, 15 for 4, 30 for 16, 54 for 32 on an AMD EPYC; bench/experiments/decode_linears.py), which makes a "
+              "plain step of a few rows cheap and a verifying step dearer in proportion; in float32 on an AVX2 CPU "
               "the small-matmul kernel (engine/small_matmul.py) makes steps of a few rows cheap, up to its crossover (12-32 "
               "rows by layer), and four requests verifying 1 + 5 tokens each (24 rows) pass that crossover for most layers. "
               "At four requests in flight the gain is smaller than at one: their plain steps already have four rows, so a verified "
@@ -181,7 +185,7 @@ def markdown(report: dict[str, Any]) -> str:
               f"steps verified some, {load['proposed']} tokens proposed, acceptance {load['acceptance_rate']}), and "
               "throughput stays that of plain decoding. Outputs are identical token for token in "
               "float32, and in bfloat16 on a CPU where the engine sums as torch does (AVX512-BF16 without AMX: a verifying row "
-              "attends and runs its down projection as a one-token decode does; engine/kernels/paged_attention.cpp, "
+              "attends and runs its linear layers as a one-token decode does; engine/kernels/paged_attention.cpp, "
               "engine.one_row_linear); elsewhere a near tie can flip. On a GPU, where decode is bound by reading weights and verification is almost "
               "free, the switch should keep the proposals (not measured here).", "",
               "![speculative](../bench/results/speculative.png)", END]

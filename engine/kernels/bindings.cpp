@@ -11,7 +11,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_matmul", &pdserve::small_matmul, "x @ weight.T (+ bias) for an input of few rows (float32, CPU)",
         pybind11::arg("x"), pybind11::arg("weight"), pybind11::arg("bias") = pybind11::none());
   m.def("one_row_linear_available", &pdserve::one_row_linear_available);
-  m.def("pack_dim_pairs", &pdserve::pack_dim_pairs, "a bf16 weight [N, K] as [K/2, N] words of dim pairs (for one_row_linear)");
+  m.def("pack_dim_pairs", &pdserve::pack_dim_pairs, "a bf16 weight [N, K] as words of dim pairs, column tile by column tile (for one_row_linear)");
   m.def("one_row_linear", &pdserve::one_row_linear, "bf16 x @ weight.T, each row summed as torch sums a lone row (CPU)",
         pybind11::arg("x"), pybind11::arg("packed"));
   m.def("argmax_rows", &pdserve::argmax_rows, "each row's argmax, as torch.argmax(logits, -1) (CPU, float32 or bf16)",

@@ -40,16 +40,19 @@ def test_lone_rows_are_the_decoding_requests_rows():
     assert not rows.every and rows.index is None
 
 
-def test_install_takes_the_layers_whose_lone_rows_differ_and_keeps_their_output():
-    """A layer with K = 1536 sums a lone row differently here (the MLP's down projection); K = 576 does not."""
+def test_install_takes_every_layer_the_kernel_reproduces_and_keeps_its_output():
+    """A layer with K = 1536 sums a lone row differently here (the MLP's down projection); K = 576 does not.
+    Both go through the kernel when every row decodes; in a step that also prefills, only the one that
+    differs sends its decode rows there."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1536, 576, bias=False), nn.Linear(576, 576, bias=False)).to(torch.bfloat16)
     x = _rows(6, 1536, seed=3)
     before = model[0](x)
     lone_rows = one_row_linear.install(model)
-    if lone_rows is None:
+    assert lone_rows is not None and all(type(m) is one_row_linear.OneRowLinear for m in model)
+    if not model[0].differs:
         pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU")
-    assert type(model[0]) is one_row_linear.OneRowLinear and type(model[1]) is nn.Linear
+    assert not model[1].differs
     prompt = StepItem(token_ids=[1, 2, 3, 4], start=0, block_ids=[0], samples=True)
     decodes = [StepItem(token_ids=[5], start=7, block_ids=[1], samples=True) for _ in range(2)]
     lone_rows.set([decodes[0], prompt, decodes[1]])
@@ -57,15 +60,20 @@ def test_install_takes_the_layers_whose_lone_rows_differ_and_keeps_their_output(
     assert torch.equal(mixed[1:5], before[1:5])  # prompt rows: torch's batched sums
     for row in (0, 5):
         assert torch.equal(mixed[row], F.linear(x[row : row + 1], model[0].weight)[0])  # decode rows: each as if alone
-    assert sorted(model[0].state_dict()) == ["weight"]
+    h = mixed.detach()
+    assert torch.equal(model[1](h[None])[0], F.linear(h, model[1].weight))
+    lone_rows.set([StepItem(token_ids=[5], start=7 + i, block_ids=[1], samples=True) for i in range(6)])
+    assert torch.equal(model[1](h[None])[0], torch.cat([F.linear(row[None], model[1].weight) for row in h]))
+    assert sorted(model[0].state_dict()) == sorted(model[1].state_dict()) == ["weight"]
 
 
 def test_engines_sharing_a_model_share_its_lone_rows_and_each_sets_them_before_its_forward():
     """A second engine on the same loaded model installs again and gets the same LoneRows: whichever runner
     set it last decides the next forward, so engines stepping in turn each get their own rows."""
+    torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(1536, 576, bias=False)).to(torch.bfloat16)
     first = one_row_linear.install(model)
-    if first is None:
+    if first is None or not model[0].differs:
         pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU")
     second = one_row_linear.install(model)
     assert second is first and model[0].lone_rows is first

@@ -68,14 +68,15 @@ def test_install_routes_few_rows_to_the_kernel(monkeypatch, tmp_path):
     model = _Model()
     state = {k: v.clone() for k, v in model.state_dict().items()}
     threads = torch.get_num_threads()
-    assert small_matmul.install(model) == {f"64x32/{threads} threads": 32, f"32x64/{threads} threads": 32}
+    most = max(small_matmul.CANDIDATE_ROWS)
+    assert small_matmul.install(model) == {f"64x32 float32/{threads} threads": most, f"32x64 float32/{threads} threads": most}
     assert type(model.up) is FewRowsLinear and type(model.down) is FewRowsLinear and type(model.norm) is nn.LayerNorm
     assert model.state_dict().keys() == state.keys() and all(torch.equal(model.state_dict()[k], v) for k, v in state.items())
     calls = []
     monkeypatch.setattr(kernels.load(), "small_matmul", lambda *a: calls.append(a[0].shape) or F.linear(*a), raising=False)
     with torch.inference_mode():
         model(torch.randn(3, 32))
-        model(torch.randn(1, 40, 32))  # 40 rows: more than the crossover
+        model(torch.randn(1, most + 6, 32))  # more rows than the crossover
     assert calls == [(3, 32), (3, 64)]
 
 

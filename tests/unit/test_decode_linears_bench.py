@@ -1,0 +1,23 @@
+"""`python -m bench.experiments.decode_linears --quick` runs end to end on the demo model: the kernel gives
+torch's lone-row bits on every layer, both engines produce the same tokens and free every block. No speed
+is asserted."""
+
+import json
+
+import pytest
+
+from bench.experiments import common, decode_linears
+from engine import kernels
+
+BUILT = kernels.load()
+pytestmark = pytest.mark.skipif(BUILT is None or not BUILT.one_row_linear_available(), reason="the kernel needs a C++ toolchain and AVX512-BF16")
+
+
+def test_quick_run_writes_both_parts():
+    assert decode_linears.main(["--quick", "--threads", "1"]) == 0
+    report = json.loads((common.RESULTS / "decode_linears.json").read_text())
+    assert [r["rows"] for r in report["layers"]] == [1, 8]
+    assert all(r["kernel_ms"] > 0 and r["torch_ms"] > 0 for r in report["layers"])
+    engine = report["engine"]
+    assert engine["outputs_identical"] and engine["output_tokens"] > 0
+    assert set(engine["tokens_per_s"]) == {"kernel", "torch"} and min(engine["tokens_per_s"].values()) > 0
