@@ -64,12 +64,13 @@ def style_axes(axes, xlabel: str, ylabel: str | None = None) -> None:
 
 
 def save_figure(fig, filename: str) -> str:
-    """Lays out `fig`, writes it to RESULTS/filename, closes it and returns the path."""
+    """Lays out `fig`, writes it to RESULTS/filename, closes it and returns the path relative to the
+    repository (what the results' JSON records: the same on every checkout)."""
     fig.tight_layout()
     path = RESULTS / filename
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
-    return str(path)
+    return str(path.relative_to(REPO))
 
 
 def setup_logging() -> None:
