@@ -97,7 +97,7 @@ def engine_config(s: Settings, loaded: LoadedModel, w: Workload, block_size: int
 
 
 def run_engine(engine: Engine, w: Workload) -> dict:
-    _warm_engine(engine, w)
+    warm_engine(engine, w)
     steps0, pre0 = engine.stats().steps, engine.stats().num_preemptions
     produced: dict[str, int] = {}
     with progress_bar("engine", w.useful_tokens) as bar:
@@ -116,7 +116,8 @@ def run_engine(engine: Engine, w: Workload) -> dict:
     return {**token_rate(w.useful_tokens, wall, cpu), "steps": stats.steps - steps0, "preemptions": stats.num_preemptions - pre0}
 
 
-def _warm_engine(engine: Engine, w: Workload) -> None:
+def warm_engine(engine: Engine, w: Workload) -> None:
+    """One short request through the engine (kernels loaded, first-call costs paid), the prefix cache emptied after it."""
     engine.add_request("warmup", w.prompts[0][:32], SamplingParams(max_tokens=4, ignore_eos=True))
     while engine.has_work():
         engine.step()

@@ -60,7 +60,7 @@ def layer_passes(model, rows: tuple[int, ...]) -> list[dict[str, Any]]:
 
 
 def engine_ab(settings) -> dict[str, Any]:
-    from bench.engine import engine_config
+    from bench.engine import engine_config, warm_engine
     from bench.engine_workload import make_workload
     from engine import Engine, SamplingParams
     from engine.model_loader import load_model
@@ -75,10 +75,7 @@ def engine_ab(settings) -> dict[str, Any]:
             for layer in loaded.model.modules():
                 if type(layer) is OneRowLinear and not layer.differs:
                     layer.few_rows = 0
-        engine.add_request("warmup", workload.prompts[0][:32], SamplingParams(max_tokens=4, ignore_eos=True))
-        while engine.has_work():
-            engine.step()
-        engine.blocks.reset_prefix_cache()
+        warm_engine(engine, workload)
         for i, (prompt, n) in enumerate(zip(workload.prompts, workload.output_lens)):
             engine.add_request(f"r{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
         engines[name] = engine

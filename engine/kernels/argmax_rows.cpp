@@ -2,8 +2,9 @@
 //
 // torch's argmax along the last dimension runs a scalar loop on these CPUs (~1.1 ns a logit: 3 ms for 64
 // rows of a 49k vocabulary, a few percent of a decode step). Here a row is read twice: a vectorised pass
-// for its maximum, then blocks are scanned for the first element equal to it (~0.1 ns a logit). Same answer as torch.argmax, the first index on ties, for rows without NaN; a row
-// holding a NaN (a broken forward) gives its first NaN if one comes before the maximum, else the maximum.
+// for its maximum, then blocks are scanned for the first element equal to it (~0.1 ns a logit). Same
+// answer as torch.argmax, the first index on ties, for rows without NaN; a row holding a NaN (a broken
+// forward) gives its first NaN if one comes before the maximum, else the maximum.
 
 #include "kernels.h"
 
