@@ -214,4 +214,4 @@ def test_the_built_kernel_requests_blocks_ahead():
     prefetch at all, its scattered block reads waiting on memory one by one. Its build must hold them."""
     (library,) = kernels.build_directory().glob("*.so")
     code = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(library)], capture_output=True, text=True, check=True).stdout
-    assert code.count("prefetcht0") >= 4
+    assert code.count("prefetcht1") >= 4

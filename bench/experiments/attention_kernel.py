@@ -1,0 +1,162 @@
+"""Experiment: the paged attention kernel's memory choices against the alternatives, built side by side.
+
+    python -m bench.experiments.attention_kernel [--threads 1] [--rounds 12] [--variants a,b] [--quick]
+
+engine/kernels/paged_attention.cpp makes two choices that decide how long a decode waits on memory (the
+arithmetic, and so every output bit, is the same either way):
+  prefetch_line   a row's next pool block is requested into L2 (prefetcht1), not L1 (prefetcht0);
+  with_tiles      a task of few queries (a decode) dots its bf16 K tiles one at a time, a prompt's
+                  tile kScoreTiles at a time.
+Each variant below is the current source with edits that undo one or both (checked to apply, so a variant
+that no longer matches the source fails loudly), built into its own module (once per machine: under the
+kernel cache, `variants/`). Cases, per dtype (fp32 and bf16): `decode`, 64 rows of one query over 330
+keys each (a decode step at batch 64 of bench.engine's workload; blocks scattered over a pool of 1,841,
+9 query / 3 KV heads of 64 dims, 30 layers); `prompt`, 8 whole prompts of 300 tokens (a prefill step).
+Every variant runs every case in turn, interleaved round by round (the machine's speed drifts; rounds
+apart do not compare), the first two rounds dropped; outputs must equal the current kernel's bit for bit.
+Writes bench/results/attention_kernel.json (milliseconds per case: min and median; median over current's).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from bench.experiments import common
+
+PREFETCH_INTO_L1 = ('asm volatile("prefetcht1 %0"', 'asm volatile("prefetcht0 %0"')
+FOUR_TILES_FOR_DECODES = ("if (queries <= kFewQueries) return f(std::integral_constant<int, 1>{});", "")
+VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+    "current": (),
+    "prefetch_into_l1": (PREFETCH_INTO_L1,),
+    "four_tiles_for_decodes": (FOUR_TILES_FOR_DECODES,),
+    "before": (PREFETCH_INTO_L1, FOUR_TILES_FOR_DECODES),  # the kernel up to 2154f3f
+}
+HEADS, KV_HEADS, HEAD_DIM, LAYERS, POOL_BLOCKS, BLOCK_SIZE = 9, 3, 64, 30, 1841, 16
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    rows: int
+    keys: int
+    queries_per_row: int  # 1: a decode; == keys: a whole prompt
+
+
+CASES = (Case("decode", 64, 330, 1), Case("prompt", 8, 300, 300))
+QUICK_CASES = (Case("decode", 8, 40, 1), Case("prompt", 2, 24, 24))
+
+
+def variant_source(name: str) -> str:
+    """paged_attention.cpp with `name`'s edits applied; raises if one of them no longer matches."""
+    from engine import kernels
+
+    text = (kernels.FOLDER / "paged_attention.cpp").read_text()
+    for old, new in VARIANTS[name]:
+        if text.count(old) != 1:
+            raise ValueError(f"variant {name!r}: {old!r} is not in paged_attention.cpp once")
+        text = text.replace(old, new)
+    return text
+
+
+def build(name: str):
+    """The kernels module with `name`'s paged_attention.cpp (the engine's own build for `current`)."""
+    from torch.utils import cpp_extension
+
+    from engine import kernels
+
+    if name == "current":
+        return kernels.load()
+    source = variant_source(name)
+    key = hashlib.sha256((kernels.build_key() + source).encode()).hexdigest()[:12]
+    directory = kernels.CACHE_ROOT / "variants" / f"{name}_{key}"
+    directory.mkdir(parents=True, exist_ok=True)
+    for file in kernels.SOURCES + kernels.HEADERS:
+        text = source if file == "paged_attention.cpp" else (kernels.FOLDER / file).read_text()
+        if not (directory / file).exists() or (directory / file).read_text() != text:
+            (directory / file).write_text(text)
+    kernels._put_ninja_on_path()
+    common.log.info("building variant %s in %s", name, directory)
+    return cpp_extension.load(name=f"pdserve_variant_{name}_{key}", sources=[str(directory / f) for f in kernels.SOURCES],
+                              extra_cflags=kernels.FLAGS, build_directory=str(directory), verbose=False)
+
+
+def inputs(case: Case, dtype, layers: int, seed: int = 0) -> dict[str, Any]:
+    """One step's attention inputs: per layer a pool of scattered blocks, the rows' tables and queries."""
+    import torch
+
+    generator = torch.Generator().manual_seed(seed)
+    shape = (POOL_BLOCKS, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+    pools = [(torch.randn(shape, generator=generator).to(dtype), torch.randn(shape, generator=generator).to(dtype)) for _ in range(layers)]
+    width = -(-case.keys // BLOCK_SIZE)
+    table = torch.randperm(POOL_BLOCKS, generator=generator)[: case.rows * width].view(case.rows, width).to(torch.int32)
+    queries = case.rows * case.queries_per_row
+    starts = None if case.queries_per_row == 1 else torch.arange(0, queries + 1, case.queries_per_row, dtype=torch.int32)
+    return {"pools": pools, "table": table, "lens": torch.full((case.rows,), case.keys, dtype=torch.int32),
+            "q": torch.randn(queries, HEADS, HEAD_DIM, generator=generator).to(dtype), "starts": starts}
+
+
+def step(module, data: dict[str, Any]) -> list:
+    return [module.paged_decode(data["q"], key, value, data["table"], data["lens"], HEAD_DIM**-0.5, data["starts"])
+            for key, value in data["pools"]]
+
+
+def measure(modules: dict[str, Any], case: Case, dtype, layers: int, rounds: int) -> dict[str, Any]:
+    import torch
+
+    data = inputs(case, dtype, layers)
+    reference = step(modules["current"], data)
+    for name, module in modules.items():
+        if not all(torch.equal(a, b) for a, b in zip(step(module, data), reference)):
+            raise RuntimeError(f"variant {name} does not give the current kernel's bits ({case.name}, {dtype})")
+    times: dict[str, list[float]] = {name: [] for name in modules}
+    for _ in range(rounds):
+        for name, module in modules.items():
+            started = time.perf_counter()
+            step(module, data)
+            times[name].append(time.perf_counter() - started)
+    kept = {name: sorted(t[2:] if rounds > 4 else t) for name, t in times.items()}
+    medians = {name: t[len(t) // 2] for name, t in kept.items()}
+    result = {name: {"min_ms": round(t[0] * 1e3, 2), "median_ms": round(medians[name] * 1e3, 2),
+                     "median_over_current": round(medians[name] / medians["current"], 3)} for name, t in kept.items()}
+    common.log.info("%s %s: %s", case.name, dtype, ", ".join(f"{n} {r['median_ms']} ms" for n, r in result.items()))
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = common.parser(__doc__, "attention_kernel")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds per case (default 12; the first two are dropped)")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)} (current is always run)")
+    parser.add_argument("--quick", action="store_true", help="tiny run (results under bench/results/quick/)")
+    args = parser.parse_args(argv)
+    names = ["current", *(n for n in args.variants.split(",") if n and n != "current")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        parser.error(f"--variants: unknown {', '.join(unknown)}")
+    info, started = common.begin(args.quick)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    modules = {name: build(name) for name in names}
+    if modules["current"] is None:
+        common.log.error("the C++ kernels are not built here (no compiler?)")
+        return 1
+    layers, rounds = (2, 3) if args.quick else (LAYERS, args.rounds)
+    report: dict[str, Any] = {"command": common.command_line(), "variants": {n: [list(e) for e in VARIANTS[n]] for n in names},
+                              "layers": layers, "rounds": rounds, "cases": {}}
+    for case in QUICK_CASES if args.quick else CASES:
+        for dtype in (torch.float32, torch.bfloat16):
+            key = f"{case.name}_{str(dtype).removeprefix('torch.')}"
+            report["cases"][key] = {"rows": case.rows, "keys": case.keys, "queries_per_row": case.queries_per_row,
+                                    **measure(modules, case, dtype, layers, rounds)}
+    report["machine"] = common.finish(info, started)
+    common.save("attention_kernel", report)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
