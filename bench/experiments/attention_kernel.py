@@ -4,7 +4,8 @@
 
 engine/kernels/paged_attention.cpp makes two choices that decide how long a decode waits on memory (the
 arithmetic, and so every output bit, is the same either way):
-  prefetch_line   a row's next pool block is requested into L2 (prefetcht1), not L1 (prefetcht0);
+  prefetch_line   a row's next pool block is requested into L2 (prefetcht1), not L1 (prefetcht0)
+                  (vector.h: the variant moves small_matmul.cpp's requests too);
   with_tiles      a task of few queries (a decode) dots its bf16 K tiles one at a time, a prompt's
                   tile kScoreTiles at a time.
 Each variant below is the current source with edits that undo one or both (checked to apply, so a variant
@@ -27,9 +28,10 @@ from typing import Any
 
 from bench.experiments import common
 
-PREFETCH_INTO_L1 = ('asm volatile("prefetcht1 %0"', 'asm volatile("prefetcht0 %0"')
-FOUR_TILES_FOR_DECODES = ("if (queries <= kFewQueries) return f(std::integral_constant<int, 1>{});", "")
-VARIANTS: dict[str, tuple[tuple[str, str], ...]] = {
+Edit = tuple[str, str, str]  # (file of engine/kernels, text, its replacement)
+PREFETCH_INTO_L1: Edit = ("vector.h", 'asm volatile("prefetcht1 %0"', 'asm volatile("prefetcht0 %0"')
+FOUR_TILES_FOR_DECODES: Edit = ("paged_attention.cpp", "if (queries <= kFewQueries) return f(std::integral_constant<int, 1>{});", "")
+VARIANTS: dict[str, tuple[Edit, ...]] = {
     "current": (),
     "prefetch_into_l1": (PREFETCH_INTO_L1,),
     "four_tiles_for_decodes": (FOUR_TILES_FOR_DECODES,),
@@ -50,16 +52,16 @@ CASES = (Case("decode", 64, 330, 1), Case("prompt", 8, 300, 300))
 QUICK_CASES = (Case("decode", 8, 40, 1), Case("prompt", 2, 24, 24))
 
 
-def variant_source(name: str) -> str:
-    """paged_attention.cpp with `name`'s edits applied; raises if one of them no longer matches."""
+def variant_sources(name: str) -> dict[str, str]:
+    """The kernels' sources and headers with `name`'s edits applied; raises if one of them no longer matches."""
     from engine import kernels
 
-    text = (kernels.FOLDER / "paged_attention.cpp").read_text()
-    for old, new in VARIANTS[name]:
-        if text.count(old) != 1:
-            raise ValueError(f"variant {name!r}: {old!r} is not in paged_attention.cpp once")
-        text = text.replace(old, new)
-    return text
+    texts = {file: (kernels.FOLDER / file).read_text() for file in kernels.SOURCES + kernels.HEADERS}
+    for file, old, new in VARIANTS[name]:
+        if texts[file].count(old) != 1:
+            raise ValueError(f"variant {name!r}: {old!r} is not in {file} once")
+        texts[file] = texts[file].replace(old, new)
+    return texts
 
 
 def build(name: str):
@@ -70,12 +72,11 @@ def build(name: str):
 
     if name == "current":
         return kernels.load()
-    source = variant_source(name)
-    key = hashlib.sha256((kernels.build_key() + source).encode()).hexdigest()[:12]
+    texts = variant_sources(name)
+    key = hashlib.sha256((kernels.build_key() + "".join(texts.values())).encode()).hexdigest()[:12]
     directory = kernels.CACHE_ROOT / "variants" / f"{name}_{key}"
     directory.mkdir(parents=True, exist_ok=True)
-    for file in kernels.SOURCES + kernels.HEADERS:
-        text = source if file == "paged_attention.cpp" else (kernels.FOLDER / file).read_text()
+    for file, text in texts.items():
         if not (directory / file).exists() or (directory / file).read_text() != text:
             (directory / file).write_text(text)
     kernels._put_ninja_on_path()

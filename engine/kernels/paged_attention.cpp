@@ -73,20 +73,6 @@ inline void token_offsets(const index_t* table, int64_t length, const Geometry& 
   }
 }
 
-// Ask for the cache line at `address` into L2 (prefetcht1). Into L1 (prefetcht0) a block's lines, requested
-// together, queue behind each other for the core's few L1 miss buffers and stall the loads in between;
-// into L2 they do not: on an AMD EPYC with AVX-512 (Zen 4), decode attention at batch 64 took 1.56x as
-// long with prefetcht0, in fp32 and in bf16 (bench/experiments/attention_kernel.py). GCC deletes a loop
-// of __builtin_prefetch (or _mm_prefetch) calls as free of side effects, so the request is an asm
-// statement, which it keeps.
-inline void prefetch_line(const char* address) {
-#if defined(__x86_64__)
-  asm volatile("prefetcht1 %0" : : "m"(*address));
-#else
-  __builtin_prefetch(address, 0, 2);
-#endif
-}
-
 // Ask for part `part` of `parts` of block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
 // a row's blocks are scattered over the pool, which the hardware prefetchers cannot guess.
 template <typename scalar_t, typename index_t>

@@ -12,17 +12,16 @@ from engine import kernels
 
 @pytest.mark.parametrize("name", [n for n in attention_kernel.VARIANTS if n != "current"])
 def test_each_variant_edits_the_current_source(name):
-    source = (kernels.FOLDER / "paged_attention.cpp").read_text()
-    edited = attention_kernel.variant_source(name)
-    assert edited != source
-    for old, new in attention_kernel.VARIANTS[name]:
-        assert old not in edited or old in new
+    edited = attention_kernel.variant_sources(name)
+    for file, old, new in attention_kernel.VARIANTS[name]:
+        assert edited[file] != (kernels.FOLDER / file).read_text()
+        assert old not in edited[file] and (not new or new in edited[file])
 
 
 def test_an_edit_that_no_longer_matches_fails_loudly(monkeypatch):
-    monkeypatch.setitem(attention_kernel.VARIANTS, "stale", (("a line the kernel does not have", ""),))
+    monkeypatch.setitem(attention_kernel.VARIANTS, "stale", (("paged_attention.cpp", "a line the kernel does not have", ""),))
     with pytest.raises(ValueError, match="stale"):
-        attention_kernel.variant_source("stale")
+        attention_kernel.variant_sources("stale")
 
 
 def test_unknown_variant_is_a_usage_error(capsys):

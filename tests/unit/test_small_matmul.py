@@ -14,11 +14,11 @@ BUILT = kernels.load()
 pytestmark = pytest.mark.skipif(BUILT is None, reason=f"no C++ toolchain here: {kernels.unavailable_reason()}")
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8, 17, 64, 70, 131])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 17, 64, 70, 131])
 @pytest.mark.parametrize("out_features,in_features", [(576, 576), (13, 100), (7, 37), (4, 8), (1, 1536)])
 def test_matches_torch_linear(rows, out_features, in_features):
-    """Row counts around the kernel's groups and its 64-row passes, weights with a partial last block of
-    rows and dims past the last whole vector."""
+    """Row counts around the kernel's groups (an x of at most one group reads the next weight block ahead)
+    and its 64-row passes, weights with a partial last block of rows and dims past the last whole vector."""
     g = torch.Generator().manual_seed(rows * 1000 + out_features)
     x = torch.randn(rows, in_features, generator=g)
     weight = torch.randn(out_features, in_features, generator=g)
