@@ -57,7 +57,7 @@ typedef uint16_t vh_unaligned __attribute__((vector_size(kLanes * sizeof(uint16_
 // next block of weight rows). Into L1 (prefetcht0) lines requested together queue behind each other for
 // the core's few L1 miss buffers and stall the loads in between; into L2 they do not: on an AMD EPYC with
 // AVX-512 (Zen 4), decode attention at batch 64 took 1.56x as long with prefetcht0, in fp32 and in bf16
-// (bench/experiments/attention_kernel.py). GCC deletes a loop of __builtin_prefetch (or _mm_prefetch)
+// (bench/experiments/kernel_variants.py). GCC deletes a loop of __builtin_prefetch (or _mm_prefetch)
 // calls as free of side effects, so the request is an asm statement, which it keeps.
 inline void prefetch_line(const void* address) {
 #if defined(__x86_64__)

@@ -1,4 +1,4 @@
-"""bench.experiments.attention_kernel: every variant's edits still match the kernel's source (a variant that
+"""bench.experiments.kernel_variants: every variant's edits still match the kernels' sources (a variant that
 silently stopped applying would time the current kernel against itself), and `--quick` runs end to end on
 the engine's own build. No speed is asserted; building the variants (minutes) is left to the experiment."""
 
@@ -6,34 +6,34 @@ import json
 
 import pytest
 
-from bench.experiments import attention_kernel, common
+from bench.experiments import common, kernel_variants
 from engine import kernels
 
 
-@pytest.mark.parametrize("name", [n for n in attention_kernel.VARIANTS if n != "current"])
+@pytest.mark.parametrize("name", [n for n in kernel_variants.VARIANTS if n != "current"])
 def test_each_variant_edits_the_current_source(name):
-    edited = attention_kernel.variant_sources(name)
-    for file, old, new in attention_kernel.VARIANTS[name]:
+    edited = kernel_variants.variant_sources(name)
+    for file, old, new in kernel_variants.VARIANTS[name]:
         assert edited[file] != (kernels.FOLDER / file).read_text()
         assert old not in edited[file] and (not new or new in edited[file])
 
 
 def test_an_edit_that_no_longer_matches_fails_loudly(monkeypatch):
-    monkeypatch.setitem(attention_kernel.VARIANTS, "stale", (("paged_attention.cpp", "a line the kernel does not have", ""),))
+    monkeypatch.setitem(kernel_variants.VARIANTS, "stale", (("paged_attention.cpp", "a line the kernel does not have", ""),))
     with pytest.raises(ValueError, match="stale"):
-        attention_kernel.variant_sources("stale")
+        kernel_variants.variant_sources("stale")
 
 
 def test_unknown_variant_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
-        attention_kernel.main(["--quick", "--variants", "current,no_such_variant"])
+        kernel_variants.main(["--quick", "--variants", "current,no_such_variant"])
     assert "no_such_variant" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(kernels.load() is None, reason="the C++ kernels need a compiler")
 def test_quick_run_times_every_case_and_dtype():
-    assert attention_kernel.main(["--quick", "--variants", "current", "--threads", "1"]) == 0
-    report = json.loads((common.RESULTS / "attention_kernel.json").read_text())
-    assert set(report["cases"]) == {"decode_float32", "decode_bfloat16", "prompt_float32", "prompt_bfloat16"}
+    assert kernel_variants.main(["--quick", "--variants", "current", "--threads", "1"]) == 0
+    report = json.loads((common.RESULTS / "kernel_variants.json").read_text())
+    assert set(report["cases"]) == {"decode_float32", "decode_bfloat16", "prompt_float32", "prompt_bfloat16", "linears_float32_1rows"}
     for case in report["cases"].values():
         assert case["current"]["median_ms"] > 0 and case["current"]["median_over_current"] == 1.0
