@@ -138,13 +138,17 @@ class SteadyLoad:
 
 
 def summary(outcomes: list[Outcome]) -> dict:
+    """Counts of how the requests ended, with the first message of each kind of failure (what a red run needs)."""
     errors: dict[str, int] = {}
+    first_messages: dict[str, str] = {}
     for o in outcomes:
         if not o.ok:
             key = o.code.name if o.code else f"finish={o.finish}"
             errors[key] = errors.get(key, 0) + 1
+            first_messages.setdefault(key, o.error[:300])
     ok = [o.ended - o.started for o in outcomes if o.ok]
-    return {"requests": len(outcomes), "ok": len(ok), "errors": errors, "median_ok_request_s": round(statistics.median(ok), 2) if ok else None}
+    return {"requests": len(outcomes), "ok": len(ok), "errors": errors, "first_error_messages": first_messages,
+            "median_ok_request_s": round(statistics.median(ok), 2) if ok else None}
 
 
 def check_outcomes(outcomes: list[Outcome], hf_greedy) -> dict:
