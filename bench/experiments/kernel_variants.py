@@ -75,8 +75,6 @@ def variant_sources(name: str) -> dict[str, str]:
 
 def build(name: str):
     """The kernels module built from `name`'s sources (the engine's own build for `current`)."""
-    from torch.utils import cpp_extension
-
     from engine import kernels
 
     if name == "current":
@@ -88,10 +86,8 @@ def build(name: str):
     for file, text in texts.items():
         if not (directory / file).exists() or (directory / file).read_text() != text:
             (directory / file).write_text(text)
-    kernels._put_ninja_on_path()
     common.log.info("building variant %s in %s", name, directory)
-    return cpp_extension.load(name=f"pdserve_variant_{name}_{key}", sources=[str(directory / f) for f in kernels.SOURCES],
-                              extra_cflags=kernels.FLAGS, build_directory=str(directory), verbose=False)
+    return kernels.compile_module(f"pdserve_variant_{name}_{key}", directory)
 
 
 def attention_inputs(case: AttentionCase, dtype, layers: int, seed: int = 0) -> dict[str, Any]:

@@ -63,9 +63,6 @@ def build_directory() -> Path:
 def load() -> ModuleType | None:
     """The compiled kernels, building them first if this machine has no build yet; None if they cannot be built."""
     global _failure
-    from torch.utils import cpp_extension
-
-    _put_ninja_on_path()
     key = build_key()
     directory = build_directory()
     directory.mkdir(parents=True, exist_ok=True)
@@ -74,17 +71,21 @@ def load() -> ModuleType | None:
     for name in SOURCES + HEADERS:
         _stage(FOLDER / name, directory / name)
     try:
-        return cpp_extension.load(
-            name=f"pdserve_paged_{key}",
-            sources=[str(directory / name) for name in SOURCES],
-            extra_cflags=FLAGS,
-            build_directory=str(directory),
-            verbose=False,
-        )
+        return compile_module(f"pdserve_paged_{key}", directory)
     except Exception as exc:  # no compiler, no ninja, a compile error: the torch paths still work
         _failure = f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else exc}"
         log.warning("pdserve's C++ kernels could not be built, decode attention and linear layers use torch's: %s", _failure)
         return None
+
+
+def compile_module(name: str, directory: Path) -> ModuleType:
+    """Compile and import the SOURCES staged in `directory` as module `name` (ninja rebuilds only what changed);
+    also how bench.experiments.kernel_variants builds its edited copies."""
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    return cpp_extension.load(name=name, sources=[str(directory / source) for source in SOURCES], extra_cflags=FLAGS,
+                              build_directory=str(directory), verbose=False)
 
 
 def _stage(source: Path, copy: Path) -> None:

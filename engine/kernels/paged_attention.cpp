@@ -424,7 +424,6 @@ constexpr bool kBf16Dot = true;
 // a pair holds the chain's earlier dim in its high half, on both sides. Tiles tiles at a time give a head
 // that many independent chains (with_tiles says how many).
 
-
 // m[w] lane t <- m[t] lane w for a kLanes x kLanes block of 32-bit words (butterflies 1, 2, 4, 8 apart):
 // per stage, lanes with bit B set trade places between vectors r and r | B.
 struct ButterflyIndex {
