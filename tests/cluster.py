@@ -2,7 +2,9 @@
 
 `LocalCluster` writes a YAML config, launches decode workers, prefill workers and a router as
 separate `python -m ...` processes with OS-assigned ports, waits for each one's ready line, and
-on `stop()` sends SIGTERM (then SIGKILL) to everything it started. Fault tests use
+on `stop()` sends SIGTERM (then SIGKILL) to everything it started. Every process `start_process` starts
+is kept in `STARTED` with its whole output, so that a failing test shows what its processes said
+(tests/conftest.py). Fault tests use
 `send_signal` (SIGKILL / SIGSTOP / SIGCONT one process), `replace` (start a fresh copy of a killed worker),
 `restart_router` (same gRPC ports, so registered workers find its internal port again) and `metrics`.
 Workers register at the router's internal address (its ready line's `internal_address`).
@@ -27,6 +29,7 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 REPO = Path(__file__).resolve().parent.parent
+LOG_TAIL_LINES = 80
 
 
 @dataclass
@@ -37,6 +40,10 @@ class Proc:
     log_lines: list[str] = field(default_factory=list)
     args: list[str] = field(default_factory=list)
     env: dict = field(default_factory=dict)
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
 
     @property
     def address(self) -> str:
@@ -56,6 +63,16 @@ class Proc:
                 break
             time.sleep(0.05)
         raise AssertionError(f"{self.name} never logged {text!r}:\n" + "\n".join(self.log_lines[-20:]))
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> tuple[str, str]:
+        """(title, text): the last `lines` lines of its output, titled with its name, pid and whether it still runs."""
+        code = self.popen.poll()
+        state = "running" if code is None else f"exited {code}"
+        return f"{self.name} (pid {self.pid}, {state}): last {lines} lines", "\n".join(list(self.log_lines)[-lines:])
+
+
+STARTED: list[Proc] = []
+"""Every process start_process started in this run of pytest, in order."""
 
 
 def start_process(name: str, args: list[str], env: dict | None = None, timeout: float = 180.0,
@@ -87,7 +104,9 @@ def start_process(name: str, args: list[str], env: dict | None = None, timeout: 
         if popen.poll() is not None or time.monotonic() > deadline:
             popen.kill()
             raise RuntimeError(f"{name} did not start:\n" + "\n".join(lines[-40:]))
-    return Proc(name, popen, ready, lines, list(args), dict(env or {}))
+    proc = Proc(name, popen, ready, lines, list(args), dict(env or {}))
+    STARTED.append(proc)
+    return proc
 
 
 def stop_process(proc: Proc, timeout: float = 20.0) -> None:

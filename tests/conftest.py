@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,34 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
         return None
     named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
     return not any(path == SCENARIOS or SCENARIOS in path.parents for path in named)
+
+
+PROCESSES_AT_SETUP = pytest.StashKey[tuple[list, int]]()
+
+
+def _started_processes() -> list:
+    """tests/cluster.py's STARTED, if a test imported it (unit tests start no process)."""
+    cluster = sys.modules.get("tests.cluster")
+    return cluster.STARTED if cluster is not None else []
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item) -> None:
+    started = _started_processes()
+    item.stash[PROCESSES_AT_SETUP] = ([p for p in started if p.alive()], len(started))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failing test's report carries the tail of the output of every process it saw: those running when it
+    was set up (a worker it killed among them) and those started since (a CI run keeps no other record of them)."""
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed or PROCESSES_AT_SETUP not in item.stash:
+        return
+    running, count = item.stash[PROCESSES_AT_SETUP]
+    for proc in running + _started_processes()[count:]:
+        report.sections.append(proc.log_tail())
 
 
 SUMS_AS_TORCH_BF16 = "avx512_bf16" in cpu_info().features and "amx_bf16" not in cpu_info().features
