@@ -19,6 +19,11 @@ Choices, measured with ucxx 0.52 / UCX 1.21 on this 2-core VM (see bench/kvtrans
   control connection instead (EOF/RST arrive at once), and the control listener binds the
   host we choose (the ucxx listener binds every interface). Across hosts the same worker
   address selects UCX's network transports.
+* The price of no peer error handling: UCX crashes (SIGSEGV in `ucp_proto_rndv_send_reply`) when a
+  receive matches a rendezvous request of a sender whose endpoint it already marked failed, e.g.
+  the second layer of a sender SIGKILLed mid-transfer (the first one's CMA read found no process).
+  So a channel posts no receive once its control connection is gone or a receive from it failed;
+  it drops the connection instead, which fails that sender's transfers and nothing else.
 * Which transports, per peer: the receiver's HELLO carries its `host_id()` (boot id and the
   net/IPC/PID namespace inodes). Only a sender with the same id uses the worker with every
   transport; any other uses a second worker without shared memory (`UCX_TLS=^shm`). UCX itself
@@ -158,7 +163,12 @@ class UcxWorker:
         return self._track(ep.tag_send(self._Array(buf), self._Tag(tag)), buf)
 
     def recv(self, buf: Any, tag: int) -> asyncio.Future[None]:
-        return self._track(self._worker.tag_recv(self._Array(buf), self._Tag(tag)), buf)
+        """Post a receive; raises at once when UCX failed it while posting (its rendezvous with a
+        sender that is gone)."""
+        request = self._worker.tag_recv(self._Array(buf), self._Tag(tag))
+        if request.completed:
+            request.check_error()
+        return self._track(request, buf)
 
     def abort(self, ep: Any) -> None:
         """Start closing an endpoint; sends still queued on it are cancelled. Never blocks:
@@ -236,6 +246,7 @@ class UcxChannel(TcpChannel):
         self._ep: Any = None
         self._inflight: set[asyncio.Future[None]] = set()
         self._send_error: BaseException | None = None
+        self._recv_error: BaseException | None = None
 
     # --- sender side ----------------------------------------------------------------------
 
@@ -325,13 +336,43 @@ class UcxChannel(TcpChannel):
 
     def _recv_part(self, tag: int, views: list[memoryview] | None, size: int) -> asyncio.Future[None]:
         """Post the receive now (so UCX can match the message at once); scatter if staged."""
-        if views is not None and len(views) == 1:
-            return self._worker.recv(views[0], tag)
-        staging = np.empty(size, dtype=np.uint8)
-        received = self._worker.recv(staging, tag)
-        if views is None:
+        staging = None if views is not None and len(views) == 1 else np.empty(size, dtype=np.uint8)
+        received = self._post(views[0] if staging is None else staging, tag)  # type: ignore[index]
+        if staging is None or views is None:
             return received
         return asyncio.ensure_future(self._scatter(received, staging, views))
+
+    def _post(self, buf: Any, tag: int) -> asyncio.Future[None]:
+        """Post one receive, unless this sender's payloads can no longer arrive. Once the control
+        connection is gone, or UCX failed a receive from this sender (its rendezvous read of a dead
+        process's memory), no receive is posted again: UCX would match another rendezvous request
+        of that sender, and without peer error handling a reply to a failed endpoint crashes the
+        process. The connection is dropped instead, which fails the sender's transfers."""
+        if self._recv_error is None and self.lost.done():
+            self._recv_error = ChannelClosed(f"channel to {self.peer} closed mid-payload")
+        if self._recv_error is None:
+            try:
+                received = self._worker.recv(buf, tag)
+            except Exception as exc:  # noqa: BLE001 - UCX reports errors as exceptions
+                self._recv_failed(exc)
+            else:
+                received.add_done_callback(self._on_received)
+                return received
+        failed: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        failed.set_exception(ChannelClosed(f"UCX receive from {self.peer} failed: {self._recv_error}"))
+        return failed
+
+    def _on_received(self, received: asyncio.Future[None]) -> None:
+        if not received.cancelled() and received.exception() is not None:
+            self._recv_failed(received.exception())
+
+    def _recv_failed(self, exc: BaseException) -> None:
+        if self._recv_error is not None:
+            return
+        self._recv_error = exc
+        log.warning("UCX receive from %s failed, dropping the connection: %s", self.peer, exc)
+        if self._proto.transport is not None:
+            self._proto.transport.abort()
 
     @staticmethod
     async def _scatter(received: asyncio.Future[None], staging: np.ndarray, views: list[memoryview]) -> None:

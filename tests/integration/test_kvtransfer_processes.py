@@ -1,12 +1,15 @@
 """KV transfer between real processes on 127.0.0.1 (tcp and ucx), SmolLM2-135M KV shapes.
 
 Three children serve every test, started in parallel: a receiver and a sender, plus a victim
-sender that the sender-death test kills; the last test kills the receiver itself. Each child
+sender that the sender-death test kills (the rendezvous test starts and kills one of its own);
+the last test kills the receiver itself. Each child
 runs both transports, so one kill covers tcp and ucx at once. Tests run in file order.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -112,6 +115,35 @@ def test_sender_killed_mid_transfer(cluster: Cluster) -> None:
     assert time.monotonic() - killed_at < 10.0
     for transport, stats in receiver.call("stats").items():
         assert stats["pending"] == 0 and stats["failed"].get("ABORTED", 0) >= 1, (transport, stats)
+
+
+def test_ucx_receiver_survives_sender_killed_mid_rendezvous(cluster: Cluster) -> None:
+    """The sender dies while the receiver (stopped meanwhile) holds its layers' frames and UCX
+    rendezvous requests: resumed, the receiver's reads of the dead process's memory fail. It
+    drops that connection, fails the transfer and keeps landing other senders' transfers."""
+    receiver = cluster.receiver
+    endpoint = receiver.ready["ucx"]
+    with Peer("sender", spec()) as victim:
+        victim.start()
+        receiver.call("expect", "ucx", "ucx-warmup", list(range(64)), 16, 30.0)
+        assert victim.call("send", [plan(endpoint, "ucx-warmup", 16, seed=1)])["transfers"][0]["ok"]  # connection open
+        assert receiver.call("result", "ucx-warmup", 30.0)["ok"]
+        victim.call("prepare", 1024, 12)
+        receiver.call("expect", "ucx", "ucx-rendezvous", list(range(64)), 1024, 60.0)
+        os.kill(receiver.pid, signal.SIGSTOP)
+        try:
+            victim.post("send", [plan(endpoint, "ucx-rendezvous", 1024, seed=12, timeout=5.0)])
+            time.sleep(2.0)  # every layer's frame and rendezvous request is on its way
+            victim.kill()
+        finally:
+            os.kill(receiver.pid, signal.SIGCONT)
+    got = receiver.call("result", "ucx-rendezvous", 30.0)
+    assert not got["ok"] and got["error"] == "TransferAborted", got
+    receiver.call("expect", "ucx", "ucx-after-death", list(range(64)), 1024, 30.0)
+    out = cluster.sender.call("send", [plan(endpoint, "ucx-after-death", 1024, seed=13)])["transfers"][0]
+    got = receiver.call("result", "ucx-after-death", 30.0)
+    assert out["ok"] and got["ok"] and got["kv_crc"] == out["kv_crc"], (out, got)
+    assert receiver.alive
 
 
 def test_receiver_killed_mid_transfer(cluster: Cluster) -> None:
