@@ -2,8 +2,9 @@
 the query unchanged, so only the matmuls (and norms) run, each linear layer as the engine runs it
 (`_linears_as_in_engine`: few rows through the small-matmul kernel in float32, decode rows through
 engine.one_row_linear's kernel in bf16, where the engine sends them there; the rest through torch).
-`matmul_ceiling_forward` is one step of a batch of single decode tokens, `run_prefill_ceiling` times
-one packed prompt chunk; `workload_ceiling` combines them
+`matmul_ceiling_forward` is one step of a batch of single decode tokens, `prefill_ceiling_forward` one
+packed prompt chunk (bench.engine times it between the engine's prefill steps; `run_prefill_ceiling` in
+a row); `workload_ceiling` combines them
 into the best useful tokens/s any engine could reach on a workload here (the bound; the engine's
 fraction of it is `engine_over_bound` among bench.engine's ratios). `run_memory_ceiling` measures how fast
 one thread reads memory here, which prices what the attention-free bound leaves out and no decode
@@ -79,25 +80,41 @@ def step_record(batch: int, times: list[float], cpu_times: list[float]) -> dict:
     }
 
 
-@torch.inference_mode()
-def run_prefill_ceiling(model: torch.nn.Module, tokens: int, iters: int, vocab_size: int) -> dict:
-    """The same attention-free forward on one packed prompt chunk of `tokens` tokens (logits of the last
-    only): the most prompt tokens per second any engine gets out of these matmuls."""
+def prefill_ceiling_forward(model: torch.nn.Module, tokens: int, vocab_size: int) -> Callable[[], None]:
+    """The prefill ceiling's forward, warmed up: the same attention-free forward on one packed prompt chunk of
+    `tokens` tokens (logits of the last only), the most prompt tokens per second any engine gets out of these
+    matmuls (bench.engine runs it between the engine's prefill steps, `PrefillCeiling`)."""
     model.set_attn_implementation(_register_no_attention())
     lone_rows = _linears_as_in_engine(model)
-    if lone_rows is not None:
-        lone_rows.set_all(decoding=False)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size, (1, tokens), generator=gen)
     positions = torch.arange(tokens).unsqueeze(0)
-    model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+
+    @torch.inference_mode()
+    def forward() -> None:
+        if lone_rows is not None:
+            lone_rows.set_all(decoding=False)
+        model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+
+    forward()
+    return forward
+
+
+def prefill_record(tokens: int, times: list[float], interleaved: bool) -> dict:
+    median = statistics.median(times)
+    return {"tokens": tokens, "iters": len(times), "step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(tokens / median, 2),
+            "interleaved_with_engine": interleaved}
+
+
+def run_prefill_ceiling(model: torch.nn.Module, tokens: int, iters: int, vocab_size: int) -> dict:
+    """`iters` timed prefill ceiling forwards in a row."""
+    forward = prefill_ceiling_forward(model, tokens, vocab_size)
     times = []
     for _ in tqdm(range(iters), desc="prefill ceiling", unit="fwd", file=sys.stderr, dynamic_ncols=True):
         t0 = time.perf_counter()
-        model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1)
+        forward()
         times.append(time.perf_counter() - t0)
-    median = statistics.median(times)
-    return {"tokens": tokens, "iters": iters, "step_ms_median": round(median * 1e3, 2), "tokens_per_s": round(tokens / median, 2)}
+    return prefill_record(tokens, times, interleaved=False)
 
 
 @torch.inference_mode()

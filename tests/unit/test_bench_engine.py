@@ -76,9 +76,24 @@ def _check_dtype_section(data: dict, settings: dict) -> None:
     assert memory["peak_rss_bytes"] > 0 and memory["kv_pool_bytes"] > 0 and memory["kv_pool_blocks"] > 0
     # the matmul ceiling's steps alternate with the engine's decode steps, inside one phase
     assert data["engine_decode"]["steps"] == data["matmul_ceiling"]["steps"] == settings["decode_steps"]
-    assert set(data["load"]["phases"]) == {"engine", "engine_decode", "prefill_ceiling", "hf_static", "hf_continuous", "memory_ceiling"}
+    # the prefill ceiling's forwards run between the engine's prefill steps, inside its phase
+    assert data["prefill_ceiling"]["interleaved_with_engine"] and data["prefill_ceiling"]["iters"] >= 2
+    assert set(data["load"]["phases"]) == {"engine", "engine_decode", "hf_static", "hf_continuous", "memory_ceiling"}
     # reading the decode steps' KV costs time the attention-free bound leaves out
     assert data["memory_ceiling"]["gb_per_s"] > 0 and bound["decode_kv_bytes"] > 0
     assert 0 < bound["bound_with_kv_read_tokens_per_s"] < bound["useful_tokens_per_s"]
     assert data["ratios"]["engine_over_bound_with_kv_read"] >= data["ratios"]["engine_over_bound"]
     assert data["load"]["load_note"]
+
+
+def test_prefill_ceiling_runs_only_after_steps_of_half_a_chunk():
+    calls = []
+    ceiling = bench_engine.PrefillCeiling(lambda: calls.append(1), tokens=2048)
+    ceiling.after_step(1023)  # a decode-heavy step: no forward
+    assert calls == [] and ceiling.record() is None
+    ceiling.after_step(1024)
+    assert calls == [1] and ceiling.record() is None  # one sample is no median
+    ceiling.after_step(2048)
+    record = ceiling.record()
+    assert calls == [1, 1] and record["iters"] == 2 and record["tokens"] == 2048 and record["interleaved_with_engine"]
+    assert record["tokens_per_s"] > 0 and ceiling.cpu_seconds >= 0
