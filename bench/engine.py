@@ -141,13 +141,14 @@ def run_engine(engine: Engine, w: Workload, prefill_ceiling: PrefillCeiling | No
         clock = Clock()
         for i, (prompt, n) in enumerate(zip(w.prompts, w.output_lens)):
             engine.add_request(f"bench-{i}", prompt, SamplingParams(max_tokens=n, ignore_eos=True))
+        prompt_tokens = engine.stats().prompt_tokens
         while engine.has_work():
-            prompt_tokens = engine.stats().prompt_tokens
             for out in engine.step():
                 produced[out.request_id] = produced.get(out.request_id, 0) + len(out.new_token_ids)
                 bar.update(len(out.new_token_ids))
             if prefill_ceiling is not None:
-                prefill_ceiling.after_step(engine.stats().prompt_tokens - prompt_tokens)
+                before, prompt_tokens = prompt_tokens, engine.stats().prompt_tokens
+                prefill_ceiling.after_step(prompt_tokens - before)
         wall, cpu = clock.stop()
     if prefill_ceiling is not None:
         wall, cpu = wall - sum(prefill_ceiling.times), cpu - prefill_ceiling.cpu_seconds
