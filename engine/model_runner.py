@@ -7,8 +7,9 @@ layers), runs the HF model once on the whole packed row with the paged attention
 bookkeeping is plain Python on ints, turned into a few tensors at the end.
 
 On a CPU with the C++ kernel (engine.kernels, built once per machine) every request of the step is one
-row of one `paged_decode` kernel call per layer: decodes, verifying rows and prefill chunks alike, in
-the batch's order; its linear layers take the small-matmul kernel for inputs of few rows
+row of one `paged_decode` kernel call per layer: decodes, verifying rows and prefill chunks after cached
+keys alike, in the batch's order, followed by the chunks that start a prompt (each attended on its own by
+SDPA, as transformers attends a prompt; engine.attention); its linear layers take the small-matmul kernel for inputs of few rows
 (engine.small_matmul). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU
 tests run the GPU path), single-token decodes go first through the decode kernel (triton on CUDA, the
 torch gather otherwise) and all prefill chunks follow in one SDPA call per layer; a pure decode step (no
@@ -35,6 +36,11 @@ log = logging.getLogger(__name__)
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _starts_context(item: StepItem) -> bool:
+    """A prompt chunk with no keys before it (CPU path: attended apart from the kernel's rows)."""
+    return item.start == 0 and item.num_tokens > 1 and not item.num_proposed
 
 
 class ModelRunner:
@@ -89,16 +95,21 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        input_ids, positions, slots, sampling_rows = self._pack(batch)
+        order = [i for i, s in enumerate(batch) if not _starts_context(s)] + [i for i, s in enumerate(batch) if _starts_context(s)]
+        ordered = [batch[i] for i in order]
+        rows = [s for s in ordered if not _starts_context(s)]
+        prompt_lens = [s.num_tokens for s in ordered[len(rows) :]]
+        input_ids, positions, slots, sampling_rows = self._pack(ordered)
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
             slot_mapping=slots,
-            num_decode_tokens=len(input_ids),
-            decode=self._decode_batch(batch),
+            num_decode_tokens=sum(s.num_tokens for s in rows),
+            decode=self._decode_batch(rows),
             prefill=None,
             on_layer_written=on_layer_written,
+            prompt_lens=prompt_lens or None,
         )
-        return list(range(len(batch))), self._forward(input_ids, positions, sampling_rows, meta)
+        return order, self._forward(input_ids, positions, sampling_rows, meta)
 
     def _forward(self, input_ids: torch.Tensor, positions: torch.Tensor, sampling_rows: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """The model once over the packed row: the logits of `sampling_rows`."""

@@ -2,8 +2,8 @@
 
     python -m bench.experiments.decode_linears [--threads 1] [--quick]
 
-Two parts, each comparing the two in the same run (CPU with AVX512-BF16; elsewhere the kernel is not
-built and the experiment says so and stops):
+Two parts, each comparing the two in the same run (CPU with AVX512-BF16 where the kernel gives torch's
+lone-row bits; elsewhere, as on a CPU with AMX or without the kernel, the experiment says so and stops):
   layers   one pass over the model's linear layers (SmolLM2-135M, bf16, in the model's order, so every
            weight comes from memory as in a forward) on inputs of 1 to 64 rows: the kernel on the weight
            packed for it, then torch's `F.linear`, alternating, best of 3 passes each. Checks on the way that
@@ -57,6 +57,16 @@ def layer_passes(model, rows: tuple[int, ...]) -> list[dict[str, Any]]:
                         "torch_over_kernel": round(best["torch"] / best["kernel"], 2)})
         common.log.info("%d rows: kernel %.1f ms, torch %.1f ms", count, best["kernel"] * 1e3, best["torch"] * 1e3)
     return results
+
+
+def kernel_reproduces_torch(model, kernel) -> bool:
+    """engine.one_row_linear's probe, per weight shape of the model's linear layers: the kernel gives torch's lone rows."""
+    import torch
+
+    from engine import one_row_linear
+
+    layers = {tuple(m.weight.shape): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
+    return all(one_row_linear._verdict(m.weight.detach(), kernel.pack_dim_pairs(m.weight.detach()), kernel).reproduced for m in layers.values())
 
 
 def engine_ab(settings) -> dict[str, Any]:
@@ -117,6 +127,10 @@ def main(argv: list[str] | None = None) -> int:
         common.log.error("engine.one_row_linear's kernel is not built here (it needs AVX512-BF16 and a C++ toolchain)")
         return 1
     model = load_model("smollm2-135m", dtype="bfloat16").model
+    if not kernel_reproduces_torch(model, kernel):
+        common.log.error("torch sums a lone bf16 row here in an order engine.one_row_linear's kernel does not reproduce "
+                         "(a CPU with AMX): the engine does not install the kernel here")
+        return 1
     report = {
         "command": common.command_line(),
         "layers": layer_passes(model, (1, 8) if args.quick else ROWS),

@@ -7,6 +7,7 @@ from torch import nn
 
 from engine import kernels, one_row_linear
 from engine.step import StepItem
+from tests.conftest import SUMS_AS_TORCH_BF16
 
 BUILT = kernels.load()
 pytestmark = pytest.mark.skipif(BUILT is None or not BUILT.one_row_linear_available(), reason="the kernel needs a C++ toolchain and AVX512-BF16")
@@ -17,6 +18,8 @@ def _rows(m: int, k: int, seed: int) -> torch.Tensor:
     return (torch.randn(m, k, generator=g) * 2.0 ** torch.randint(-8, 8, (m, k), generator=g)).to(torch.bfloat16)
 
 
+@pytest.mark.skipif(not SUMS_AS_TORCH_BF16, reason="the kernel sums a lone row as torch does on AVX512-BF16 CPUs without AMX; with AMX "
+                                                  "torch packs for its tiles (install() then leaves every layer to torch)")
 @pytest.mark.parametrize("n,k", [(576, 1536), (576, 576), (64, 1100)])
 @pytest.mark.parametrize("m", [1, 3, 8, 65])
 def test_each_row_is_what_torch_gives_it_alone(n, k, m):
@@ -49,9 +52,11 @@ def test_install_takes_every_layer_the_kernel_reproduces_and_keeps_its_output():
     x = _rows(6, 1536, seed=3)
     before = model[0](x)
     lone_rows = one_row_linear.install(model)
+    if lone_rows is None and not SUMS_AS_TORCH_BF16:
+        pytest.skip("with AMX torch packs for its tiles and sums lone rows in an order the kernel does not reproduce: install() leaves every layer to torch")
     assert lone_rows is not None and all(type(m) is one_row_linear.OneRowLinear for m in model)
     if not model[0].differs:
-        pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU")
+        pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU, or the kernel does not reproduce them here")
     assert not model[1].differs
     prompt = StepItem(token_ids=[1, 2, 3, 4], start=0, block_ids=[0], samples=True)
     decodes = [StepItem(token_ids=[5], start=7, block_ids=[1], samples=True) for _ in range(2)]
@@ -74,7 +79,7 @@ def test_engines_sharing_a_model_share_its_lone_rows_and_each_sets_them_before_i
     model = nn.Sequential(nn.Linear(1536, 576, bias=False)).to(torch.bfloat16)
     first = one_row_linear.install(model)
     if first is None or not model[0].differs:
-        pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU")
+        pytest.skip("torch sums lone rows of a 576x1536 bf16 weight as it sums batches on this CPU, or the kernel does not reproduce them here")
     second = one_row_linear.install(model)
     assert second is first and model[0].lone_rows is first
     x = _rows(6, 1536, seed=4)
