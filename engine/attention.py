@@ -17,7 +17,7 @@ argument of the model call; transformers forwards it untouched to every attentio
                before them) follow the kernel's rows; each attends to its own k/v, causal, in one
                `F.scaled_dot_product_attention` call of its own: what transformers runs on a prompt, so
                the same sums (torch's flash attention, which on a CPU with AMX packs for its tiles and
-               runs 3x faster in bf16 than the C++ kernel; 1.25x in float32),
+               attends a prompt 3x faster in bf16 than the C++ kernel; 1.25x in float32),
      prefill   (GPU, and CPUs without the C++ kernel) all prefill chunks at once: their blocks (earlier
                context and the chunk itself, already written to the pool) gathered with one
                `index_select`, then one SDPA whose boolean mask lets each token see its own request's
