@@ -95,9 +95,10 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        order = [i for i, s in enumerate(batch) if not _starts_context(s)] + [i for i, s in enumerate(batch) if _starts_context(s)]
+        starts = [_starts_context(s) for s in batch]
+        order = [i for i, first in enumerate(starts) if not first] + [i for i, first in enumerate(starts) if first]
         ordered = [batch[i] for i in order]
-        rows = [s for s in ordered if not _starts_context(s)]
+        rows = ordered[: starts.count(False)]
         prompt_lens = [s.num_tokens for s in ordered[len(rows) :]]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
         meta = AttentionMetadata(

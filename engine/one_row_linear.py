@@ -101,7 +101,7 @@ def install(model: nn.Module) -> LoneRows | None:
         layer.__class__ = nn.Linear
         shape = tuple(layer.weight.shape)
         if shape not in verdicts:
-            verdicts[shape] = _verdict(layer.weight.detach(), packed, kernel)
+            verdicts[shape] = verdict(layer.weight.detach(), packed, kernel)
         if verdicts[shape].reproduced:
             layer.__class__ = OneRowLinear
             layer.packed = packed
@@ -132,7 +132,7 @@ def _eligible(layer: nn.Linear) -> bool:
 
 
 @torch.inference_mode()
-def _verdict(weight: torch.Tensor, packed: torch.Tensor, kernel) -> Verdict:
+def verdict(weight: torch.Tensor, packed: torch.Tensor, kernel) -> Verdict:
     """Probe rows whose entries span many magnitudes, so that sums in different orders round differently."""
     generator = torch.Generator().manual_seed(0)
     k = weight.shape[1]

@@ -66,7 +66,7 @@ def kernel_reproduces_torch(model, kernel) -> bool:
     from engine import one_row_linear
 
     layers = {tuple(m.weight.shape): m for m in model.modules() if isinstance(m, torch.nn.Linear)}
-    return all(one_row_linear._verdict(m.weight.detach(), kernel.pack_dim_pairs(m.weight.detach()), kernel).reproduced for m in layers.values())
+    return all(one_row_linear.verdict(m.weight.detach(), kernel.pack_dim_pairs(m.weight.detach()), kernel).reproduced for m in layers.values())
 
 
 def engine_ab(settings) -> dict[str, Any]:
