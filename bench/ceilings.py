@@ -1,7 +1,8 @@
 """The model's attention-free ceilings: its forward with attention replaced by a function that returns
 the query unchanged, so only the matmuls (and norms) run, each linear layer as the engine runs it
 (`_linears_as_in_engine`: few rows through the small-matmul kernel in float32, decode rows through
-engine.one_row_linear's kernel in bf16, where the engine sends them there; the rest through torch).
+engine.one_row_linear's kernel in bf16, where the engine sends them there; the rest through torch, bf16
+weights reordered once for oneDNN: engine.linears).
 `matmul_ceiling_forward` is one step of a batch of single decode tokens, `prefill_ceiling_forward` one
 packed prompt chunk (bench.engine times it between the engine's prefill steps; `run_prefill_ceiling` in
 a row); `workload_ceiling` combines them
@@ -21,7 +22,7 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_workload import Workload
-from engine import one_row_linear, small_matmul
+from engine import linears, one_row_linear
 
 NOATTN_IMPLEMENTATION = "pdserve_noattn"
 
@@ -41,9 +42,8 @@ def _register_no_attention() -> str:
 
 
 def _linears_as_in_engine(model: torch.nn.Module) -> one_row_linear.LoneRows | None:
-    """The engine's ModelRunner installs the same two on its model (CPU)."""
-    small_matmul.install(model)
-    return one_row_linear.install(model)
+    """What the engine's ModelRunner installs on its model (CPU)."""
+    return linears.install(model)
 
 
 def matmul_ceiling_forward(model: torch.nn.Module, batch: int, position: int, vocab_size: int) -> Callable[[], None]:

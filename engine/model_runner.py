@@ -9,8 +9,8 @@ bookkeeping is plain Python on ints, turned into a few tensors at the end.
 On a CPU with the C++ kernel (engine.kernels, built once per machine) every request of the step is one
 row of one `paged_decode` kernel call per layer: decodes, verifying rows and prefill chunks after cached
 keys alike, in the batch's order, followed by the chunks that start a prompt (each attended on its own by
-SDPA, as transformers attends a prompt; engine.attention); its linear layers take the small-matmul kernel for inputs of few rows
-(engine.small_matmul). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU
+SDPA, as transformers attends a prompt; engine.attention); its linear layers run as engine.linears decides
+(the small-matmul kernel for float32 inputs of few rows, bf16 weights packed once). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU
 tests run the GPU path), single-token decodes go first through the decode kernel (triton on CUDA, the
 torch gather otherwise) and all prefill chunks follow in one SDPA call per layer; a pure decode step (no
 prefill, no layer hook) whose batch fits `cuda_graph_max_batch` is padded to a bucket and replayed from
@@ -26,7 +26,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, one_row_linear, paged_decode, small_matmul
+from engine import attention, linears, paged_decode
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -65,10 +65,8 @@ class ModelRunner:
         self.fallback_reason: str | None = None
         """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
-        self.few_rows = small_matmul.install(model) if self.device.type == "cpu" else {}
-        """Per weight shape: linear layers on inputs of at most this many rows use the small-matmul kernel (engine.small_matmul)."""
-        self.lone_rows = one_row_linear.install(model) if self.device.type == "cpu" else None
-        """Told each step which rows decode, for bf16 layers that sum them as lone rows (engine.one_row_linear)."""
+        self.lone_rows = linears.install(model) if self.device.type == "cpu" else None
+        """Told each step which rows decode, for bf16 layers that sum them as lone rows (engine.linears)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
         except Exception as exc:  # a kernel that does not compile or a graph that does not capture here
