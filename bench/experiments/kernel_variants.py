@@ -11,6 +11,9 @@ output bit, is the same either way):
                   a time, a prompt's tile kScoreTiles at a time;
   weight_block    (small_matmul.cpp) an input of at most one group of rows (4 with AVX-512) reads the
                   next block of weight rows ahead (`Ahead`), larger ones leave it to the hardware.
+Two more variants ask how far ahead paged_attention.cpp should request a row's pool blocks
+(kPrefetchBlocks, 1): 2 and 4 blocks ahead (on an Intel Xeon with AMX, 1 thread: no case moved by more than
+the noise; bench/results/kernel_variants_xeon_amx.json).
 Each variant below is the current source with edits that undo one or more of them (checked to apply, so a
 variant that no longer matches the source fails loudly), built into its own module (once per machine:
 under the kernel cache, `variants/`). Cases: `decode_<dtype>`, attention of 64 rows of one query over 330
@@ -38,8 +41,12 @@ Edit = tuple[str, str, str]  # (file of engine/kernels, text, its replacement)
 PREFETCH_INTO_L1: Edit = ("vector.h", 'asm volatile("prefetcht1 %0"', 'asm volatile("prefetcht0 %0"')
 FOUR_TILES_FOR_DECODES: Edit = ("paged_attention.cpp", "if (queries <= kFewQueries) return f(std::integral_constant<int, 1>{});", "")
 NO_WEIGHTS_AHEAD: Edit = ("small_matmul.cpp", "if (M <= kXRows)\n        weight_block<true>", "if (false)\n        weight_block<true>")
+PREFETCH_TWO_BLOCKS_AHEAD: Edit = ("paged_attention.cpp", "constexpr int64_t kPrefetchBlocks = 1;", "constexpr int64_t kPrefetchBlocks = 2;")
+PREFETCH_FOUR_BLOCKS_AHEAD: Edit = ("paged_attention.cpp", "constexpr int64_t kPrefetchBlocks = 1;", "constexpr int64_t kPrefetchBlocks = 4;")
 VARIANTS: dict[str, tuple[Edit, ...]] = {
     "current": (),
+    "prefetch_two_blocks_ahead": (PREFETCH_TWO_BLOCKS_AHEAD,),
+    "prefetch_four_blocks_ahead": (PREFETCH_FOUR_BLOCKS_AHEAD,),
     "prefetch_into_l1": (PREFETCH_INTO_L1,),
     "four_tiles_for_decodes": (FOUR_TILES_FOR_DECODES,),
     "no_weights_ahead": (NO_WEIGHTS_AHEAD,),
