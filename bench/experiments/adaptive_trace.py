@@ -26,6 +26,8 @@ the same. The configs:
              shipped default keeps one prefill worker), decode [1, 2]: it moves the local-prefill
              threshold and may add a second decode worker (ADAPTIVE: its interval, holds, cooldowns)
   adaptive_p0  the same policy with prefill [0, 1]: it may also switch the prefill worker to decode
+  adaptive_c   the same policy and pools as adaptive_p0, started colocated (0 prefill + 2 decode): a
+             decode worker becomes prefill only when the signals say a split would serve better
 
 Lifecycle of one config (`run_config`): write its YAML, start `pdserve serve` and wait for its ready
 line; connect to its Ray as a driver and find the controller; send a few warm-up requests; replay the
@@ -102,6 +104,7 @@ CONFIGS = {
     "1p2d": {"prefill": 1, "decode": 2, "adaptive": False},
     "adaptive": {"prefill": 1, "decode": 1, "adaptive": True, "prefill_min": 1},
     "adaptive_p0": {"prefill": 1, "decode": 1, "adaptive": True, "prefill_min": 0},
+    "adaptive_c": {"prefill": 0, "decode": 2, "adaptive": True, "prefill_min": 0},
 }
 FIXED = ("colocated", "1p1d", "1p2d")
 
