@@ -84,4 +84,4 @@ def _product(x: torch.Tensor, packed: torch.Tensor, out_features: int) -> torch.
 
 def _eligible(layer: nn.Linear) -> bool:
     w = layer.weight
-    return layer.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu"
+    return layer.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and type(w.data) is torch.Tensor  # not a DTensor shard
