@@ -60,7 +60,12 @@ def install(model: nn.Module) -> int:
 
 
 def available() -> bool:
-    return torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    """oneDNN with bf16 on this CPU, and this torch's ops for weights reordered once (internal to torch)."""
+    ops = torch.ops.mkldnn
+    try:
+        return torch.backends.mkldnn.is_available() and ops._is_mkldnn_bf16_supported() and bool(ops._reorder_linear_weight and ops._linear_pointwise)
+    except (AttributeError, RuntimeError):
+        return False
 
 
 @torch.inference_mode()
