@@ -131,13 +131,15 @@ def _eligible(layer: nn.Linear) -> bool:
     return layer.bias is None and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[1] % 2 == 0 and w.shape[0] % 16 == 0
 
 
+def probe_rows(rows: int, k: int, generator: torch.Generator) -> torch.Tensor:
+    """bf16 rows whose entries span many magnitudes, so that sums in different orders round differently."""
+    scales = 2.0 ** torch.randint(-8, 8, (rows, k), generator=generator)
+    return (torch.randn(rows, k, generator=generator) * scales).to(torch.bfloat16)
+
+
 @torch.inference_mode()
 def verdict(weight: torch.Tensor, packed: torch.Tensor, kernel) -> Verdict:
-    """Probe rows whose entries span many magnitudes, so that sums in different orders round differently."""
-    generator = torch.Generator().manual_seed(0)
-    k = weight.shape[1]
-    scales = 2.0 ** torch.randint(-8, 8, (PROBE_ROWS, k), generator=generator)
-    x = (torch.randn(PROBE_ROWS, k, generator=generator) * scales).to(torch.bfloat16)
+    x = probe_rows(PROBE_ROWS, weight.shape[1], torch.Generator().manual_seed(0))
     alone = torch.cat([F.linear(row[None], weight) for row in x])
     differs = not torch.equal(F.linear(x, weight), alone)
     reproduced = torch.equal(kernel.one_row_linear(x, packed), alone)

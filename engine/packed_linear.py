@@ -24,6 +24,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine import one_row_linear
+
 log = logging.getLogger(__name__)
 
 REORDER_FOR_ROWS = 64
@@ -70,12 +72,10 @@ def available() -> bool:
 
 @torch.inference_mode()
 def gives_linears_bits(weight: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Probe rows whose entries span many magnitudes, so that sums in different orders round differently."""
+    """On engine.one_row_linear's probe rows, PROBE_ROW_COUNTS of them in turn."""
     generator = torch.Generator().manual_seed(0)
-    k = weight.shape[1]
     for rows in PROBE_ROW_COUNTS:
-        scales = 2.0 ** torch.randint(-8, 8, (rows, k), generator=generator)
-        x = (torch.randn(rows, k, generator=generator) * scales).to(torch.bfloat16)
+        x = one_row_linear.probe_rows(rows, weight.shape[1], generator)
         if not torch.equal(_product(x, packed, weight.shape[0]), F.linear(x, weight)):
             return False
     return True
