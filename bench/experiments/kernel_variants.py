@@ -1,19 +1,22 @@
 """Experiment: the CPU kernels' memory choices against the alternatives, built side by side.
 
-    python -m bench.experiments.kernel_variants [--threads 1] [--rounds 12] [--variants a,b] [--quick]
+    python -m bench.experiments.kernel_variants [--threads 1] [--rounds 12] [--variants a,b] [--against REV] [--quick]
 
 Three choices in engine/kernels decide how long a kernel waits on memory (the arithmetic, and so every
 output bit, is the same either way):
   prefetch_line   (vector.h) the kernels request what the hardware prefetchers do not foresee into L2
-                  (prefetcht1), not L1 (prefetcht0): paged_attention.cpp a row's next pool block,
-                  small_matmul.cpp the next block of weight rows;
+                  (prefetcht1), not L1 (prefetcht0): paged_attention.cpp a row's K/V rows kKeysAhead
+                  keys ahead, small_matmul.cpp the next block of weight rows;
   with_tiles      (paged_attention.cpp) a task of few queries (a decode) dots its bf16 K tiles one at
                   a time, a prompt's tile kScoreTiles at a time;
   weight_block    (small_matmul.cpp) an input of at most one group of rows (4 with AVX-512) reads the
                   next block of weight rows ahead (`Ahead`), larger ones leave it to the hardware.
-Two more variants ask how far ahead paged_attention.cpp should request a row's pool blocks
-(kPrefetchBlocks, 1): 2 and 4 blocks ahead (on an Intel Xeon with AMX, 1 thread: no case moved by more than
-the noise; bench/results/kernel_variants_xeon_amx.json).
+Two more variants ask how far ahead of its reads paged_attention.cpp should request a row's K/V rows
+(kKeysAhead, 32 keys): 16 and 64 keys. (Before those requests were spread over the arithmetic, a whole pool
+block was requested at a time, 1 block ahead; 2 and 4 blocks ahead moved no case by more than the noise on
+an Intel Xeon with AMX, 1 thread: bench/results/kernel_variants_xeon_amx.json.)
+`--against REV` also builds the kernels as they were at git revision REV (a variant named `at_REV`): the
+A/B of a change to the kernels, run after it lands or before it is committed.
 Each variant below is the current source with edits that undo one or more of them (checked to apply, so a
 variant that no longer matches the source fails loudly), built into its own module (once per machine:
 under the kernel cache, `variants/`). Cases: `decode_<dtype>`, attention of 64 rows of one query over 330
@@ -29,6 +32,8 @@ bench/results/kernel_variants.json (milliseconds per case: min and median; media
 from __future__ import annotations
 
 import hashlib
+import re
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -41,12 +46,12 @@ Edit = tuple[str, str, str]  # (file of engine/kernels, text, its replacement)
 PREFETCH_INTO_L1: Edit = ("vector.h", 'asm volatile("prefetcht1 %0"', 'asm volatile("prefetcht0 %0"')
 FOUR_TILES_FOR_DECODES: Edit = ("paged_attention.cpp", "if (queries <= kFewQueries) return f(std::integral_constant<int, 1>{});", "")
 NO_WEIGHTS_AHEAD: Edit = ("small_matmul.cpp", "if (M <= kXRows)\n        weight_block<true>", "if (false)\n        weight_block<true>")
-PREFETCH_TWO_BLOCKS_AHEAD: Edit = ("paged_attention.cpp", "constexpr int64_t kPrefetchBlocks = 1;", "constexpr int64_t kPrefetchBlocks = 2;")
-PREFETCH_FOUR_BLOCKS_AHEAD: Edit = ("paged_attention.cpp", "constexpr int64_t kPrefetchBlocks = 1;", "constexpr int64_t kPrefetchBlocks = 4;")
+KEYS_AHEAD_16: Edit = ("paged_attention.cpp", "constexpr int64_t kKeysAhead = 32;", "constexpr int64_t kKeysAhead = 16;")
+KEYS_AHEAD_64: Edit = ("paged_attention.cpp", "constexpr int64_t kKeysAhead = 32;", "constexpr int64_t kKeysAhead = 64;")
 VARIANTS: dict[str, tuple[Edit, ...]] = {
     "current": (),
-    "prefetch_two_blocks_ahead": (PREFETCH_TWO_BLOCKS_AHEAD,),
-    "prefetch_four_blocks_ahead": (PREFETCH_FOUR_BLOCKS_AHEAD,),
+    "keys_ahead_16": (KEYS_AHEAD_16,),
+    "keys_ahead_64": (KEYS_AHEAD_64,),
     "prefetch_into_l1": (PREFETCH_INTO_L1,),
     "four_tiles_for_decodes": (FOUR_TILES_FOR_DECODES,),
     "no_weights_ahead": (NO_WEIGHTS_AHEAD,),
@@ -80,21 +85,36 @@ def variant_sources(name: str) -> dict[str, str]:
     return texts
 
 
-def build(name: str):
-    """The kernels module built from `name`'s sources (the engine's own build for `current`)."""
+def revision_sources(revision: str) -> dict[str, str]:
+    """The kernels' sources and headers as they were at git revision `revision`; raises if git does not know it."""
+    from engine import kernels
+
+    texts = {}
+    for file in kernels.SOURCES + kernels.HEADERS:
+        path = (kernels.FOLDER / file).relative_to(common.REPO).as_posix()
+        shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=common.REPO, capture_output=True, text=True, timeout=30)
+        if shown.returncode != 0:
+            raise ValueError(f"--against {revision}: git has no {path} there ({shown.stderr.strip()})")
+        texts[file] = shown.stdout
+    return texts
+
+
+def build(name: str, texts: dict[str, str] | None = None):
+    """The kernels module built from `texts` (default: `name`'s variant sources; the engine's own build for `current`)."""
     from engine import kernels
 
     if name == "current":
         return kernels.load()
-    texts = variant_sources(name)
+    texts = texts if texts is not None else variant_sources(name)
     key = hashlib.sha256((kernels.build_key() + "".join(texts.values())).encode()).hexdigest()[:12]
-    directory = kernels.CACHE_ROOT / "variants" / f"{name}_{key}"
+    safe = re.sub(r"\W", "_", name)  # a module name (at_HEAD~1 is a variant's)
+    directory = kernels.CACHE_ROOT / "variants" / f"{safe}_{key}"
     directory.mkdir(parents=True, exist_ok=True)
     for file, text in texts.items():
         if not (directory / file).exists() or (directory / file).read_text() != text:
             (directory / file).write_text(text)
     common.log.info("building variant %s in %s", name, directory)
-    return kernels.compile_module(f"pdserve_variant_{name}_{key}", directory)
+    return kernels.compile_module(f"pdserve_variant_{safe}_{key}", directory)
 
 
 def attention_inputs(case: AttentionCase, dtype, layers: int, seed: int = 0) -> dict[str, Any]:
@@ -153,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
     parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds per case (default 12; the first two are dropped)")
     parser.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)} (current is always run)")
+    parser.add_argument("--against", metavar="REV", default="", help="also build the kernels of this git revision (variant at_REV)")
     parser.add_argument("--quick", action="store_true", help="tiny run (results under bench/results/quick/)")
     args = parser.parse_args(argv)
     names = ["current", *(n for n in args.variants.split(",") if n and n != "current")]
@@ -166,11 +187,15 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(args.threads)
     modules = {name: build(name) for name in names}
+    described = {n: [list(e) for e in VARIANTS[n]] for n in names}
+    if args.against:
+        modules[f"at_{args.against}"] = build(f"at_{args.against}", revision_sources(args.against))
+        described[f"at_{args.against}"] = f"engine/kernels as at git revision {args.against}"
     if modules["current"] is None:
         common.log.error("the C++ kernels are not built here (no compiler?)")
         return 1
     layers, rounds = (2, 3) if args.quick else (LAYERS, args.rounds)
-    report: dict[str, Any] = {"command": common.command_line(), "variants": {n: [list(e) for e in VARIANTS[n]] for n in names},
+    report: dict[str, Any] = {"command": common.command_line(), "variants": described,
                               "attention_layers": layers, "rounds": rounds, "cases": {}}
     for case in QUICK_ATTENTION_CASES if args.quick else ATTENTION_CASES:
         for dtype in (torch.float32, torch.bfloat16):

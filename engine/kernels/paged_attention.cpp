@@ -5,8 +5,8 @@
 // that context (n = 1 for a decode; 1 + k for a request verifying k proposed tokens; the chunk's tokens
 // for a prefill chunk), query i seeing the context up to its own position (causal inside the row). A row
 // of many queries is cut into tiles of kQueryTile queries (tasks_of), one task each; a decode row is one
-// task. Per task, K pass: the row's blocks in table order (each block one contiguous run of bytes,
-// prefetched kPrefetchBlocks ahead), 16 keys at a time: their rows of a KV head are converted to fp32
+// task. Per task, K pass: the row's keys in order (each KV head's rows requested kKeysAhead keys ahead, a
+// few at a time between the arithmetic: prefetch_rows), 16 keys at a time: their rows of a KV head are converted to fp32
 // once and dotted with the G = H / Hkv query heads of every query that share it. Each query head's scores
 // (a few KB) are softmaxed in fp32 over its own keys; the keys past a query's position get weight 0.
 // V pass: per KV head, a few (query, head) pairs accumulate in registers while that head's V rows stream
@@ -47,7 +47,7 @@ inline void load_row(const scalar_t* src, float* dst) {
   for (int i = 0; i < D; ++i) dst[i] = as_float(src[i]);
 }
 
-constexpr int64_t kPrefetchBlocks = 1;
+constexpr int64_t kKeysAhead = 32;  // how far ahead of its reads a pass asks for K/V rows
 
 // Head sizes the kernel is compiled for (multiples of 16 lanes); `supported_head_dims()` lists them.
 #define PDSERVE_HEAD_DIMS(X) X(16) X(32) X(48) X(64) X(80) X(96) X(128) X(256)
@@ -57,9 +57,11 @@ struct Geometry {
   int64_t q_row, q_head, k_block, k_token, k_head, o_row, o_head;
 };
 
-struct Scratch {  // one per thread, reused across its rows
+struct Scratch {  // one per thread, reused across its tasks
   std::vector<float> floats;
   std::vector<int64_t> offsets;
+  std::vector<int64_t> next_offsets;  // the next task's first keys (up to kKeysAhead): this task's V pass asks for them
+  bool keys_requested = false;        // this task's first keys were asked for by the task before it
 };
 
 // offsets[pos] = where key/value row `pos` of the row's context starts in the pool (K and V share strides):
@@ -73,29 +75,56 @@ inline void token_offsets(const index_t* table, int64_t length, const Geometry& 
   }
 }
 
-// Ask for part `part` of `parts` of block `table[index]` (all its tokens and heads: one contiguous run of bytes) before it is needed:
-// a row's blocks are scattered over the pool, which the hardware prefetchers cannot guess.
-template <typename scalar_t, typename index_t>
-inline void prefetch_part(const scalar_t* pool, const index_t* table, int64_t index, int64_t num_blocks, const Geometry& g,
-                          int64_t part, int64_t parts) {
-  if (index >= num_blocks) return;
-  const char* start = reinterpret_cast<const char*>(pool + static_cast<int64_t>(table[index]) * g.k_block);
-  const int64_t lines = (g.block_size * g.k_token * static_cast<int64_t>(sizeof(scalar_t)) + 63) / 64;
-  const int64_t per_part = (lines + parts - 1) / parts;
-  for (int64_t line = part * per_part; line < std::min(lines, (part + 1) * per_part); ++line) prefetch_line(start + line * 64);
+// Ask for the rows [begin, end) of one KV head (`head_rows`: the pool at that head) before they are read: a
+// row's blocks are scattered over the pool, which the hardware prefetchers cannot guess. Callers ask for a
+// few rows at a time between their arithmetic, kKeysAhead keys before they read them: a burst of requests
+// holds the core until memory serves it (on an Intel Xeon with AMX, 1 thread, the arithmetic and the
+// memory's time then add up), while requests spread over the arithmetic are served under it.
+template <int D, typename scalar_t>
+inline void prefetch_rows(const scalar_t* head_rows, const int64_t* offsets, int64_t begin, int64_t end) {
+  constexpr uintptr_t bytes = D * sizeof(scalar_t);
+  for (int64_t t = begin; t < end; ++t) {
+    const auto start = reinterpret_cast<uintptr_t>(head_rows + offsets[t]);
+    for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64) prefetch_line(reinterpret_cast<const void*>(line));
+  }
 }
 
-template <typename scalar_t, typename index_t>
-inline void prefetch_block(const scalar_t* pool, const index_t* table, int64_t index, int64_t num_blocks,
-                           const Geometry& g) {
-  prefetch_part(pool, table, index, num_blocks, g, 0, 1);
+// Every KV head's first kKeysAhead rows: what a pass reads before its own requests run ahead of it.
+template <int D, typename scalar_t>
+inline void prefetch_first_rows(const scalar_t* pool, const int64_t* offsets, int64_t length, const Geometry& g) {
+  for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) prefetch_rows<D>(pool + kvh * g.k_head, offsets, 0, std::min(kKeysAhead, length));
 }
 
-template <typename scalar_t, typename index_t>
-inline void prefetch_first_blocks(const scalar_t* pool, const index_t* table, int64_t length, const Geometry& g) {
-  const int64_t num_blocks = (length + g.block_size - 1) / g.block_size;
-  for (int64_t index = 0; index < kPrefetchBlocks; ++index) prefetch_block(pool, table, index, num_blocks, g);
-}
+// One KV head's rows in the order a pass reads them: `count` rows at `offsets` from `head` (the pool at that head).
+template <typename scalar_t>
+struct HeadRows {
+  const scalar_t* head;
+  const int64_t* offsets;
+  int64_t count;
+};
+
+// What a pass asks for ahead of its reads, by position: its own rows, then the rows read after it (after a
+// task's K rows its V rows; after its V rows the next task's first K rows), so that no pass starts on rows
+// nobody asked for.
+template <typename scalar_t>
+struct RowsAhead {
+  HeadRows<scalar_t> now, next;
+
+  template <int D>
+  void request(int64_t begin, int64_t end) const {
+    prefetch_rows<D>(now.head, now.offsets, std::min(begin, now.count), std::min(end, now.count));
+    const int64_t past = std::max<int64_t>(0, begin - now.count), past_end = std::max<int64_t>(0, end - now.count);
+    prefetch_rows<D>(next.head, next.offsets, std::min(past, next.count), std::min(past_end, next.count));
+  }
+};
+
+// The rows [first, first + span) requested in `steps` shares, one per step of a loop (ceil(span / steps) each).
+struct Shares {
+  int64_t first, per_step;
+  Shares(int64_t first, int64_t span, int64_t steps) : first(first), per_step((span + steps - 1) / steps) {}
+  int64_t begin(int64_t step) const { return first + step * per_step; }
+  int64_t end(int64_t step) const { return first + (step + 1) * per_step; }
+};
 
 template <typename scalar_t, typename index_t>
 inline const scalar_t* token_row(const scalar_t* pool, const index_t* table, int64_t pos, const Geometry& g) {
@@ -122,17 +151,11 @@ inline void with_count(int64_t count, F&& f) {
   f(std::integral_constant<int, N>{});
 }
 
-// rows[t] = where key first + t's row of KV head `kvh` lies in the pool (a row of zeros past the context's
-// end), after asking for the part of the block kPrefetchBlocks ahead that this tile and head stand for, so
-// that each block is requested once, spread over the tiles and heads that read the one before it.
-template <int D, typename scalar_t, typename index_t>
-inline void tile_rows(const scalar_t* key, const index_t* table, const int64_t* offsets, int64_t length, int64_t first, int64_t kvh,
-                      const Geometry& g, const scalar_t* (&rows)[kLanes]) {
+// rows[t] = where key first + t's row of KV head `kvh` lies in the pool (a row of zeros past the context's end).
+template <int D, typename scalar_t>
+inline void tile_rows(const scalar_t* key, const int64_t* offsets, int64_t length, int64_t first, int64_t kvh, const Geometry& g,
+                      const scalar_t* (&rows)[kLanes]) {
   alignas(64) static const scalar_t zeros[D] = {};
-  const int64_t num_blocks = (length + g.block_size - 1) / g.block_size;
-  const int64_t tiles_per_block = std::max<int64_t>(1, g.block_size / kLanes), tile_in_block = (first % g.block_size) / kLanes;
-  prefetch_part(key, table, first / g.block_size + kPrefetchBlocks, num_blocks, g, tile_in_block * g.kv_heads + kvh,
-                tiles_per_block * g.kv_heads);
   for (int64_t t = 0; t < kLanes; ++t) rows[t] = first + t < length ? key + offsets[first + t] + kvh * g.k_head : zeros;
 }
 
@@ -162,16 +185,19 @@ inline void score_head(const scalar_t* const (&rows)[kLanes], const float* qh, i
   }
 }
 
-template <int D, typename scalar_t, typename index_t>
-void score_keys(const float* qf, int64_t queries, const scalar_t* key, const index_t* table, const int64_t* offsets,
+template <int D, typename scalar_t>
+void score_keys(const float* qf, int64_t queries, const scalar_t* key, const scalar_t* value, const int64_t* offsets,
                 int64_t length, const Geometry& g, float* scores) {
   const int64_t pairs = queries * (g.heads / g.kv_heads);
   for (int64_t first = 0; first < length; first += kLanes) {
     const int64_t n = std::min<int64_t>(kLanes, length - first);
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
       const scalar_t* rows[kLanes];
-      tile_rows<D>(key, table, offsets, length, first, kvh, g, rows);
+      tile_rows<D>(key, offsets, length, first, kvh, g, rows);
+      const RowsAhead<scalar_t> ahead{{key + kvh * g.k_head, offsets, length}, {value + kvh * g.k_head, offsets, length}};
+      const Shares shares(first + kKeysAhead, kLanes, pairs);
       for (int64_t j = 0; j < pairs; ++j) {
+        ahead.template request<D>(shares.begin(j), shares.end(j));
         const int64_t head = pair_head(j, kvh, g);
         score_head<D>(rows, qf + head * D, n, scores + head * length + first);
       }
@@ -330,8 +356,8 @@ inline void softmax_rows(float* scores, int64_t queries, int64_t heads, int64_t 
   }
 }
 
-// acc[i * H + h] = sum_t weights[(i * H + h) * length + t] * V_t, one pool block of V at a time (each
-// block one contiguous run of bytes, requested kPrefetchBlocks ahead): per KV head, up to kValueHeads of
+// acc[i * H + h] = sum_t weights[(i * H + h) * length + t] * V_t, one pool block of V at a time (a head's
+// rows requested kKeysAhead keys ahead by the first sweep over them): per KV head, up to kValueHeads of
 // the (query, head) pairs that share it accumulate a slice of kValueSlice * kLanes dims in registers
 // while the block's V rows of that head stream by, as far as the last of those queries sees; the
 // accumulators go back to `acc` (L1) between blocks.
@@ -344,10 +370,11 @@ constexpr int kValueHeads = std::max(1, std::min(8, (kVectorRegisters - 1 - kVal
 // One slice of dims for N (query, head) pairs over the V rows [begin, end) of one KV head.
 template <int D, int N, int S, typename scalar_t>
 inline void weigh_slice(const float* weights, const int64_t* heads, int64_t length, const scalar_t* value, const int64_t* offsets,
-                        int64_t begin, int64_t end, int64_t dim, float* acc) {
+                        int64_t begin, int64_t end, int64_t dim, const RowsAhead<scalar_t>* ahead, float* acc) {
   vf sums[N][S];
   for (int j = 0; j < N; ++j) load_vectors<S>(acc + heads[j] * D + dim, sums[j]);
   for (int64_t pos = begin; pos < end; ++pos) {
+    if (ahead) ahead->template request<D>(pos + kKeysAhead, pos + kKeysAhead + 1);
     vf v[S];
     load_vectors<S>(value + offsets[pos] + dim, v);
     for (int j = 0; j < N; ++j) {
@@ -358,23 +385,24 @@ inline void weigh_slice(const float* weights, const int64_t* heads, int64_t leng
   for (int j = 0; j < N; ++j) std::memcpy(acc + heads[j] * D + dim, sums[j], sizeof sums[j]);
 }
 
-template <int D, typename scalar_t, typename index_t>
-void weigh_values(const float* weights, int64_t queries, const scalar_t* value, const index_t* table, const int64_t* offsets,
-                  int64_t length, const Geometry& g, float* acc) {
+template <int D, typename scalar_t>
+void weigh_values(const float* weights, int64_t queries, const scalar_t* value, const int64_t* offsets, int64_t length,
+                  HeadRows<scalar_t> next_keys, const Geometry& g, float* acc) {
   constexpr int chunks = D / kLanes, slice = kValueSlice<D>, block = kValueHeads<D>;
-  const int64_t group = g.heads / g.kv_heads, pairs = queries * group, num_blocks = (length + g.block_size - 1) / g.block_size;
+  const int64_t group = g.heads / g.kv_heads, pairs = queries * group;
   std::fill(acc, acc + queries * g.heads * D, 0.f);
-  for (int64_t begin = 0, index = 0; begin < length; begin += g.block_size, ++index) {
+  for (int64_t begin = 0; begin < length; begin += g.block_size) {
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-      prefetch_part(value, table, index + kPrefetchBlocks, num_blocks, g, kvh, g.kv_heads);
       for (int64_t first = 0; first < pairs; first += block) {
         int64_t heads[block];
         const int64_t count = std::min<int64_t>(block, pairs - first);
         for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
-        const int64_t end = std::min(begin + g.block_size, visible_keys(length, queries, (first + count - 1) / group));
+        const int64_t visible = visible_keys(length, queries, (first + count - 1) / group), end = std::min(begin + g.block_size, visible);
+        const RowsAhead<scalar_t> ahead{{value + kvh * g.k_head, offsets, visible}, {next_keys.head + kvh * g.k_head, next_keys.offsets, next_keys.count}};
         for (int64_t dim = 0; dim < D; dim += slice * kLanes) {
-          with_count<block>(count, [&](auto size) {
-            weigh_slice<D, decltype(size)::value, slice>(weights, heads, length, value + kvh * g.k_head, offsets, begin, end, dim, acc);
+          with_count<block>(count, [&](auto size) {  // one sweep per block and head asks ahead
+            weigh_slice<D, decltype(size)::value, slice>(weights, heads, length, value + kvh * g.k_head, offsets, begin, end, dim,
+                                                         first == 0 && dim == 0 ? &ahead : nullptr, acc);
           });
         }
       }
@@ -488,9 +516,9 @@ inline void four_chain_pairs(const word_t* words, word_t* pairs) {
   }
 }
 
-template <int D, int Tiles, typename index_t>
+template <int D, int Tiles>
 void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries, float scale, FourChains four_chains,
-                     const at::BFloat16* key, const index_t* table, const int64_t* offsets, int64_t length, const Geometry& g,
+                     const at::BFloat16* key, const at::BFloat16* value, const int64_t* offsets, int64_t length, const Geometry& g,
                      float* scores) {
   constexpr int pairs = D / 2, chain_pairs = D / 8;
   const int64_t group = g.heads / g.kv_heads, count = queries * group;
@@ -515,13 +543,16 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
       for (int64_t tile = 0; tile < used; ++tile) {
         const at::BFloat16* rows[kLanes];
         __m512i words[pairs];
-        tile_rows<D>(key, table, offsets, length, first + tile * kLanes, kvh, g, rows);
+        tile_rows<D>(key, offsets, length, first + tile * kLanes, kvh, g, rows);
         transpose_words<D>(rows, words);
         if (any_one)
           for (int c = 0; c < pairs; ++c) one[tile][c] = one_chain_pair(words[c]);
         if (any_four) four_chain_pairs<D>(words, four[tile]);
       }
+      const RowsAhead<at::BFloat16> ahead{{key + kvh * g.k_head, offsets, length}, {value + kvh * g.k_head, offsets, length}};
+      const Shares shares(first + std::max<int64_t>(kKeysAhead, Tiles * kLanes), Tiles * kLanes, count);
       for (int64_t j = 0; j < count; ++j) {
+        ahead.request<D>(shares.begin(j), shares.end(j));
         const int64_t head = pair_head(j, kvh, g);
         const uint32_t* qh = qp.data() + head * pairs;
         const auto pair_of = [&](int c) { return (__m512bh)_mm512_set1_epi32(static_cast<int32_t>(qh[c])); };
@@ -587,18 +618,15 @@ inline void pack_weight_pairs(float* weights, int64_t rows, int64_t length) {
 template <int D>
 constexpr int kValueHeadsBf16 = std::max(1, std::min(6, (kVectorRegisters - 2 - D / kLanes) / (D / kLanes)));
 
-template <int D, int N, typename index_t>
-void weigh_pairs_bf16(const uint32_t* weights, const int64_t* heads, int64_t stride, int64_t visible, const at::BFloat16* pool,
-                      int64_t kvh, const index_t* table, const int64_t* offsets, const Geometry& g, bool prefetch, float* acc) {
+template <int D, int N>
+void weigh_pairs_bf16(const uint32_t* weights, const int64_t* heads, int64_t stride, int64_t visible, const at::BFloat16* value,
+                      const int64_t* offsets, const RowsAhead<at::BFloat16>* ahead, float* acc) {
   constexpr int pairs = D / (2 * kLanes);
-  const at::BFloat16* value = pool + kvh * g.k_head;
-  const int64_t num_blocks = (visible + g.block_size - 1) / g.block_size, parts = std::max<int64_t>(1, g.block_size / 2);
   __m512 sums[N][2 * pairs];
   for (auto& head : sums)
     for (auto& v : head) v = _mm512_setzero_ps();
   for (int64_t pos = 0; pos < visible; pos += 2) {
-    if (prefetch)  // the first sweep over the row's V rows: the rest find them in cache
-      prefetch_part(pool, table, pos / g.block_size + kPrefetchBlocks, num_blocks, g, (pos % g.block_size) / 2, parts);
+    if (ahead) ahead->request<D>(pos + kKeysAhead, pos + kKeysAhead + 2);
     const bool two = pos + 1 < visible;
     const at::BFloat16* a = value + offsets[pos];
     const at::BFloat16* b = two ? value + offsets[pos + 1] : nullptr;
@@ -632,9 +660,9 @@ void weigh_pairs_bf16(const uint32_t* weights, const int64_t* heads, int64_t str
   }
 }
 
-template <int D, typename index_t>
-void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* value, const index_t* table, const int64_t* offsets,
-                       int64_t length, const Geometry& g, float* acc) {
+template <int D>
+void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* value, const int64_t* offsets, int64_t length,
+                       HeadRows<at::BFloat16> next_keys, const Geometry& g, float* acc) {
   constexpr int block = kValueHeadsBf16<D>;
   const int64_t group = g.heads / g.kv_heads, count_all = queries * group;
   pack_weight_pairs(weights, queries * g.heads, length);
@@ -645,19 +673,21 @@ void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* valu
       int64_t heads[block];
       for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
       const int64_t visible = visible_keys(length, queries, (first + count - 1) / group);
-      with_count<block>(count, [&](auto size) {
-        weigh_pairs_bf16<D, decltype(size)::value>(packed, heads, length, visible, value, kvh, table, offsets, g, kvh == 0 && first == 0, acc);
+      const RowsAhead<at::BFloat16> ahead{{value + kvh * g.k_head, offsets, visible}, {next_keys.head + kvh * g.k_head, next_keys.offsets, next_keys.count}};
+      with_count<block>(count, [&](auto size) {  // the first sweep over this head's V rows asks ahead: the others find them in cache
+        weigh_pairs_bf16<D, decltype(size)::value>(packed, heads, length, visible, value + kvh * g.k_head, offsets,
+                                                   first == 0 ? &ahead : nullptr, acc);
       });
     }
   }
 }
 #else
 constexpr bool kBf16Dot = false;
-template <int D, int Tiles, typename index_t>
-void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, FourChains, const at::BFloat16*, const index_t*, const int64_t*,
+template <int D, int Tiles>
+void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, FourChains, const at::BFloat16*, const at::BFloat16*, const int64_t*,
                      int64_t, const Geometry&, float*) {}
-template <int D, typename index_t>
-void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const index_t*, const int64_t*, int64_t, const Geometry&, float*) {}
+template <int D>
+void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const int64_t*, int64_t, HeadRows<at::BFloat16>, const Geometry&, float*) {}
 #endif
 
 // One row: queries q[first_query : first_query + queries], the last `queries` positions of `length` keys.
@@ -675,7 +705,8 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
   token_offsets(table, length, g, scratch.offsets.data());
   const int64_t* offsets = scratch.offsets.data();
   constexpr bool bf16_dot = std::is_same_v<scalar_t, at::BFloat16> && kBf16Dot && D % (2 * kLanes) == 0;
-  prefetch_first_blocks(key, table, length, g);
+  if (!scratch.keys_requested) prefetch_first_rows<D>(key, offsets, length, g);
+  const HeadRows<scalar_t> next_keys{key, scratch.next_offsets.data(), static_cast<int64_t>(scratch.next_offsets.size())};
   for (int64_t i = 0; i < queries; ++i) {
     for (int64_t h = 0; h < g.heads; ++h) {
       float* qh = qf + (i * g.heads + h) * D;
@@ -685,17 +716,16 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
   }
   if constexpr (bf16_dot)
     with_tiles(queries, [&](auto tiles) {
-      score_keys_bf16<D, decltype(tiles)::value>(q, first_query, queries, scale, FourChains{prompt_length, row_query}, key, table,
+      score_keys_bf16<D, decltype(tiles)::value>(q, first_query, queries, scale, FourChains{prompt_length, row_query}, key, value,
                                                  offsets, length, g, scores);
     });
   else
-    score_keys<D>(qf, queries, key, table, offsets, length, g, scores);
+    score_keys<D>(qf, queries, key, value, offsets, length, g, scores);
   softmax_rows<scalar_t>(scores, queries, g.heads, length, prompt_length, inverse_sums);
-  prefetch_first_blocks(value, table, length, g);
   if constexpr (bf16_dot)
-    weigh_values_bf16<D>(scores, queries, value, table, offsets, length, g, acc);
+    weigh_values_bf16<D>(scores, queries, value, offsets, length, next_keys, g, acc);
   else
-    weigh_values<D>(scores, queries, value, table, offsets, length, g, acc);
+    weigh_values<D>(scores, queries, value, offsets, length, next_keys, g, acc);
   for (int64_t i = 0; i < queries; ++i) {
     for (int64_t h = 0; h < g.heads; ++h) {
       const int64_t head = i * g.heads + h;
@@ -703,6 +733,7 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
       for (int d = 0; d < D; ++d) o[d] = static_cast<scalar_t>(acc[head * D + d] * inverse_sums[head]);
     }
   }
+  scratch.keys_requested = next_keys.count > 0 && length - queries + 1 >= kKeysAhead;  // every V sweep ran kKeysAhead past its rows
 }
 
 // A row with many queries (a prefill chunk) is cut into tiles of kQueryTile queries, each attended as a row
@@ -752,6 +783,9 @@ void run(const at::Tensor& q, const at::Tensor& key, const at::Tensor& value, co
     for (int64_t i = begin; i < end; ++i) {
       const Task& t = tasks[i];
       const index_t* row_table = tp + t.row * g.table_width;
+      scratch.next_offsets.resize(i + 1 < end ? std::min(kKeysAhead, tasks[i + 1].length) : 0);
+      if (i + 1 < end) token_offsets(tp + tasks[i + 1].row * g.table_width, static_cast<int64_t>(scratch.next_offsets.size()), g,
+                                     scratch.next_offsets.data());
       switch (g.dim) {
 #define PDSERVE_HEAD_DIM(D)                                                                                 \
   case D:                                                                                                   \

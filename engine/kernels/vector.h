@@ -53,7 +53,7 @@ typedef float vf_unaligned __attribute__((vector_size(kLanes * sizeof(float)), a
 typedef uint16_t vh_unaligned __attribute__((vector_size(kLanes * sizeof(uint16_t)), aligned(alignof(uint16_t))));
 
 // Ask for the cache line at `address` into L2 (prefetcht1), for the kernels whose next reads the hardware
-// prefetchers do not foresee in time (paged_attention.cpp: a row's next pool block; small_matmul.cpp: the
+// prefetchers do not foresee in time (paged_attention.cpp: a row's next K/V rows; small_matmul.cpp: the
 // next block of weight rows). Into L1 (prefetcht0) lines requested together queue behind each other for
 // the core's few L1 miss buffers and stall the loads in between; into L2 they do not: on an AMD EPYC with
 // AVX-512 (Zen 4), decode attention at batch 64 took 1.56x as long with prefetcht0, in fp32 and in bf16

@@ -24,6 +24,14 @@ def test_an_edit_that_no_longer_matches_fails_loudly(monkeypatch):
         kernel_variants.variant_sources("stale")
 
 
+def test_against_takes_the_kernels_of_a_git_revision():
+    texts = kernel_variants.revision_sources("HEAD")
+    assert set(texts) == set(kernels.SOURCES + kernels.HEADERS)
+    assert "paged_decode" in texts["paged_attention.cpp"]
+    with pytest.raises(ValueError, match="no_such_revision"):
+        kernel_variants.revision_sources("no_such_revision")
+
+
 def test_unknown_variant_is_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         kernel_variants.main(["--quick", "--variants", "current,no_such_variant"])
