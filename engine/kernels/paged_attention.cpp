@@ -5,9 +5,9 @@
 // that context (n = 1 for a decode; 1 + k for a request verifying k proposed tokens; the chunk's tokens
 // for a prefill chunk), query i seeing the context up to its own position (causal inside the row). A row
 // of many queries is cut into tiles of kQueryTile queries (tasks_of), one task each; a decode row is one
-// task. Per task, K pass: the row's keys in order (each KV head's rows requested kKeysAhead keys ahead, a
-// few at a time between the arithmetic: prefetch_rows), 16 keys at a time: their rows of a KV head are converted to fp32
-// once and dotted with the G = H / Hkv query heads of every query that share it. Each query head's scores
+// task. Per task, K pass: the row's keys in order (each KV head's rows requested kKeysAhead keys ahead,
+// a few at a time between the arithmetic: RowsAhead), 16 keys at a time: their rows of a KV head are
+// converted to fp32 once and dotted with the G = H / Hkv query heads of every query that share it. Each query head's scores
 // (a few KB) are softmaxed in fp32 over its own keys; the keys past a query's position get weight 0.
 // V pass: per KV head, a few (query, head) pairs accumulate in registers while that head's V rows stream
 // by, as far as the last of those queries sees. No workspace, no padding: a task reads exactly the keys
@@ -85,7 +85,8 @@ inline void prefetch_rows(const scalar_t* head_rows, const int64_t* offsets, int
   constexpr uintptr_t bytes = D * sizeof(scalar_t);
   for (int64_t t = begin; t < end; ++t) {
     const auto start = reinterpret_cast<uintptr_t>(head_rows + offsets[t]);
-    for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64) prefetch_line(reinterpret_cast<const void*>(line));
+    for (uintptr_t line = start & ~uintptr_t{63}; line < start + bytes; line += 64)
+      prefetch_line(reinterpret_cast<const void*>(line));
   }
 }
 
@@ -95,12 +96,15 @@ inline void prefetch_first_rows(const scalar_t* pool, const int64_t* offsets, in
   for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) prefetch_rows<D>(pool + kvh * g.k_head, offsets, 0, std::min(kKeysAhead, length));
 }
 
-// One KV head's rows in the order a pass reads them: `count` rows at `offsets` from `head` (the pool at that head).
+// One KV head's rows in the order a pass reads them: `count` rows at `offsets` from `head` (the pool at that
+// head; `of_head` moves rows given at KV head 0 to head kvh).
 template <typename scalar_t>
 struct HeadRows {
   const scalar_t* head;
   const int64_t* offsets;
   int64_t count;
+
+  HeadRows of_head(int64_t kvh, const Geometry& g) const { return {head + kvh * g.k_head, offsets, count}; }
 };
 
 // What a pass asks for ahead of its reads, by position: its own rows, then the rows read after it (after a
@@ -388,7 +392,7 @@ inline void weigh_slice(const float* weights, const int64_t* heads, int64_t leng
 template <int D, typename scalar_t>
 void weigh_values(const float* weights, int64_t queries, const scalar_t* value, const int64_t* offsets, int64_t length,
                   HeadRows<scalar_t> next_keys, const Geometry& g, float* acc) {
-  constexpr int chunks = D / kLanes, slice = kValueSlice<D>, block = kValueHeads<D>;
+  constexpr int slice = kValueSlice<D>, block = kValueHeads<D>;
   const int64_t group = g.heads / g.kv_heads, pairs = queries * group;
   std::fill(acc, acc + queries * g.heads * D, 0.f);
   for (int64_t begin = 0; begin < length; begin += g.block_size) {
@@ -397,8 +401,9 @@ void weigh_values(const float* weights, int64_t queries, const scalar_t* value, 
         int64_t heads[block];
         const int64_t count = std::min<int64_t>(block, pairs - first);
         for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
-        const int64_t visible = visible_keys(length, queries, (first + count - 1) / group), end = std::min(begin + g.block_size, visible);
-        const RowsAhead<scalar_t> ahead{{value + kvh * g.k_head, offsets, visible}, {next_keys.head + kvh * g.k_head, next_keys.offsets, next_keys.count}};
+        const int64_t visible = visible_keys(length, queries, (first + count - 1) / group);
+        const int64_t end = std::min(begin + g.block_size, visible);
+        const RowsAhead<scalar_t> ahead{{value + kvh * g.k_head, offsets, visible}, next_keys.of_head(kvh, g)};
         for (int64_t dim = 0; dim < D; dim += slice * kLanes) {
           with_count<block>(count, [&](auto size) {  // one sweep per block and head asks ahead
             weigh_slice<D, decltype(size)::value, slice>(weights, heads, length, value + kvh * g.k_head, offsets, begin, end, dim,
@@ -673,7 +678,7 @@ void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* valu
       int64_t heads[block];
       for (int64_t j = 0; j < count; ++j) heads[j] = pair_head(first + j, kvh, g);
       const int64_t visible = visible_keys(length, queries, (first + count - 1) / group);
-      const RowsAhead<at::BFloat16> ahead{{value + kvh * g.k_head, offsets, visible}, {next_keys.head + kvh * g.k_head, next_keys.offsets, next_keys.count}};
+      const RowsAhead<at::BFloat16> ahead{{value + kvh * g.k_head, offsets, visible}, next_keys.of_head(kvh, g)};
       with_count<block>(count, [&](auto size) {  // the first sweep over this head's V rows asks ahead: the others find them in cache
         weigh_pairs_bf16<D, decltype(size)::value>(packed, heads, length, visible, value + kvh * g.k_head, offsets,
                                                    first == 0 ? &ahead : nullptr, acc);
@@ -684,10 +689,11 @@ void weigh_values_bf16(float* weights, int64_t queries, const at::BFloat16* valu
 #else
 constexpr bool kBf16Dot = false;
 template <int D, int Tiles>
-void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, FourChains, const at::BFloat16*, const at::BFloat16*, const int64_t*,
-                     int64_t, const Geometry&, float*) {}
+void score_keys_bf16(const at::BFloat16*, int64_t, int64_t, float, FourChains, const at::BFloat16*, const at::BFloat16*,
+                     const int64_t*, int64_t, const Geometry&, float*) {}
 template <int D>
-void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const int64_t*, int64_t, HeadRows<at::BFloat16>, const Geometry&, float*) {}
+void weigh_values_bf16(float*, int64_t, const at::BFloat16*, const int64_t*, int64_t, HeadRows<at::BFloat16>, const Geometry&,
+                       float*) {}
 #endif
 
 // One row: queries q[first_query : first_query + queries], the last `queries` positions of `length` keys.
