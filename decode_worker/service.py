@@ -196,8 +196,9 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await asyncio.sleep(0.02)
 
     async def _stream(self, request_id, outputs, started, context, timings: pb.StageTimings) -> AsyncIterator[pb.DecodeResponse]:
-        """Engine outputs -> chunks, then one finish message per sequence (its usage counts its tokens and
-        `timings` what this worker measured: with local prefill, the prompt's queue and compute)."""
+        """Engine outputs -> chunks, then one finish message per sequence carrying its last step's tokens
+        (its usage counts its tokens and `timings` what this worker measured: with local prefill, the
+        prompt's queue and compute)."""
         usages: dict[int, pb.Usage] = {}
         try:
             async for out in outputs:
@@ -207,14 +208,14 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 usage.prompt_tokens = out.num_prompt_tokens or usage.prompt_tokens
                 usage.cached_prompt_tokens = max(usage.cached_prompt_tokens, out.num_cached_tokens)
                 usage.completion_tokens += len(out.new_token_ids)
-                if out.new_token_ids:
-                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
-                    reached(self.fault_point, "decode.after_tokens", request_id, usage.completion_tokens)
-                if out.finished:
+                if out.finished:  # the step's tokens travel with the finish (DecodeFinished.chunk)
                     timings.e2e_s = time.monotonic() - started
                     finished = pb.DecodeFinished(finish_reason=finish_reason_to_proto(out.finish_reason), usage=usage, timings=timings,
-                                                 index=out.index)
+                                                 index=out.index, chunk=chunk_from_output(out))
                     yield pb.DecodeResponse(request_id=request_id, finished=finished)
+                elif out.new_token_ids:
+                    yield pb.DecodeResponse(request_id=request_id, chunk=chunk_from_output(out))
+                    reached(self.fault_point, "decode.after_tokens", request_id, usage.completion_tokens)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 

@@ -2,9 +2,11 @@
 
 `DecodeRelay.relay` reads D's messages one by one (`DecodeStream`), records TTFT / ITL / tokens,
 detokenizes (a stop string ends the sequence), and shapes each sequence's last message from D's
-`finished`. With n > 1, D's chunks and finish messages name their sequence (`index`): each has its own
-detokenizer; a sequence the router ended on a stop string drops what D still sends for it, and the
-relay ends (cancelling D's call, which frees the group) once every sequence has finished.
+`finished` (which carries the tokens of the step that finished it, so a D lost between two messages
+never leaves a stop token streamed without its finish). With n > 1, D's chunks and finish messages
+name their sequence (`index`): each has its own detokenizer; a sequence the router ended on a stop
+string drops what D still sends for it, and the relay ends (cancelling D's call, which frees the
+group) once every sequence has finished.
 When D goes away mid-stream (the call fails, ends without finishing, or stays silent while the pool
 has taken D out of rotation) it raises `DecodeLost`, and the orchestrator migrates the request.
 """
@@ -70,12 +72,12 @@ class DecodeRelay:
                     continue  # ended here on a stop string: D's later tokens for it are dropped
                 seq = state.sequences[index]
                 try:
-                    response = self._on_chunk(state, seq, message.chunk) if fin is None else self._on_finished(state, seq, fin)
+                    responses = self._on_message(state, seq, message.chunk if fin is None else fin.chunk, fin)
                 except ReplayDiverged as exc:
                     yield pb.GenerateResponse(request_id=state.request_id, finish_reason=pb.FINISH_REASON_ERROR,
                                               error=pb.Error(code=pb.ERROR_CODE_UNAVAILABLE, message=str(exc)))
                     return
-                if response is not None:
+                for response in responses:
                     yield response
                 if state.all_finished:
                     return
@@ -104,6 +106,15 @@ class DecodeRelay:
             read.cancel()
             raise
         return read.result()
+
+    def _on_message(self, state: Progress, seq: SequenceProgress, worker_chunk: pb.TokenChunk,
+                    fin: pb.DecodeFinished | None) -> list[pb.GenerateResponse]:
+        """The client's messages for D's chunk and, when `fin`, the sequence's finish (its last tokens
+        come in `fin.chunk`; a stop string among them ends the sequence before D's finish)."""
+        responses = [self._on_chunk(state, seq, worker_chunk)] if worker_chunk.token_ids else []
+        if fin is not None and not seq.finished:
+            responses.append(self._on_finished(state, seq, fin))
+        return [response for response in responses if response is not None]
 
     def _on_chunk(self, state: Progress, seq: SequenceProgress, worker_chunk: pb.TokenChunk) -> pb.GenerateResponse | None:
         """The chunk for the client; None when it only replayed tokens already streamed (restarted group)."""

@@ -46,6 +46,23 @@ def test_greedy_through_router_matches_hf(cluster, demo_prompt_ids, hf_greedy):
     cluster.assert_no_leaked_blocks()
 
 
+def test_decode_stream_sends_the_last_tokens_with_the_finish(cluster, demo_prompt_ids, hf_greedy):
+    """A decode worker's last tokens travel in its finish message: a worker lost after streaming a stop
+    token but before its finish would otherwise have the migrated request decode past the stop."""
+    prompt = demo_prompt_ids[1]
+    with grpc.insecure_channel(cluster.decode[0].address) as channel:
+        request = pb.DecodeRequest(request_id="last-tokens", token_ids=prompt, local_prefill=True,
+                                   sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
+        messages = list(pb_grpc.DecodeWorkerStub(channel).Decode(request, timeout=120))
+    assert [m.WhichOneof("event") for m in messages] == ["chunk"] * (len(messages) - 1) + ["finished"]
+    finished = messages[-1].finished
+    assert finished.chunk.token_ids, "the finishing step's tokens come with the finish"
+    tokens = [t for m in messages[:-1] for t in m.chunk.token_ids] + list(finished.chunk.token_ids)
+    assert tokens == hf_greedy(tuple(prompt), MAX_NEW)
+    assert finished.usage.completion_tokens == len(tokens)
+    cluster.assert_no_leaked_blocks()
+
+
 def test_metrics_expose_kv_bytes_and_request_stages(cluster, demo_prompt_ids):
     generate(cluster.router.address, demo_prompt_ids[0], max_tokens=4)
     text = requests.get(cluster.http_url + "/metrics", timeout=10).text

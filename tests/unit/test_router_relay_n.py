@@ -45,8 +45,10 @@ def chunk(index: int, *tokens: str) -> pb.DecodeResponse:
     return pb.DecodeResponse(chunk=pb.TokenChunk(token_ids=[ord(t) for t in tokens], index=index))
 
 
-def finished(index: int, reason=pb.FINISH_REASON_LENGTH, error: pb.Error | None = None) -> pb.DecodeResponse:
-    return pb.DecodeResponse(finished=pb.DecodeFinished(index=index, finish_reason=reason, error=error))
+def finished(index: int, reason=pb.FINISH_REASON_LENGTH, error: pb.Error | None = None, last: str = "") -> pb.DecodeResponse:
+    """D's finish of sequence `index`, carrying the tokens of its last step (`last`)."""
+    chunk = pb.TokenChunk(token_ids=[ord(t) for t in last], index=index)
+    return pb.DecodeResponse(finished=pb.DecodeFinished(index=index, finish_reason=reason, error=error, chunk=chunk))
 
 
 def group(n: int, stop: list[str] | None = None, tokenizer=None) -> Progress:
@@ -104,3 +106,17 @@ async def test_a_replay_that_diverges_ends_the_request():
     state.next_attempt()
     out = await relay(state, [chunk(0, "z")])
     assert out[-1].finish_reason == pb.FINISH_REASON_ERROR and "drew other tokens" in out[-1].error.message
+
+
+async def test_a_finish_streams_the_tokens_it_carries_before_ending():
+    state = group(1)
+    out = await relay(state, [chunk(0, "a"), finished(0, pb.FINISH_REASON_STOP, last="b")])
+    assert [(list(r.chunk.token_ids), r.finish_reason) for r in out] == [([97], 0), ([98], 0), ([], pb.FINISH_REASON_STOP)]
+    assert state.sequences[0].generated == [97, 98] and out[-1].usage.completion_tokens == 2
+
+
+async def test_a_stop_string_in_a_finishs_tokens_ends_the_sequence_once():
+    state = group(1, stop=["!"], tokenizer=CharTokenizer())
+    out = await relay(state, [chunk(0, "o"), finished(0, pb.FINISH_REASON_LENGTH, last="k!z")])
+    assert [r.finish_reason for r in out] == [0, pb.FINISH_REASON_STOP]
+    assert "".join(r.chunk.text for r in out) == "ok" and state.sequences[0].generated == [ord(t) for t in "ok!"]

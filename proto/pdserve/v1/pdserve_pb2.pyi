@@ -350,18 +350,20 @@ class KVAdmission(_message.Message):
     def __init__(self, kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admission_wait_s: _Optional[float] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
-    __slots__ = ("finish_reason", "usage", "timings", "error", "index")
+    __slots__ = ("finish_reason", "usage", "timings", "error", "index", "chunk")
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     INDEX_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
     finish_reason: FinishReason
     usage: Usage
     timings: StageTimings
     error: Error
     index: int
-    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., index: _Optional[int] = ...) -> None: ...
+    chunk: TokenChunk
+    def __init__(self, finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., index: _Optional[int] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("request_id", "admission", "chunk", "finished")
