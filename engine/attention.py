@@ -7,17 +7,20 @@ argument of the model call; transformers forwards it untouched to every attentio
   2. `attend` runs the step's rows through at most two of:
      decode    rows through a `paged_decode` kernel that reads K and V where they lie in the pool. On a
                CPU with the C++ kernel every request of the step but those under `prompts` is such a row: a
-               decode (one query), a request verifying proposed tokens (1 + k queries) or a prefill chunk
-               after cached keys (its n tokens), the
+               decode (one query), a request verifying proposed tokens (1 + k queries) or a short prefill
+               chunk after cached keys (its n tokens), the
                queries being the last positions of the row's context, causal inside the row; no gather,
                no mask, each row reads only its own blocks (engine.kernels tiles long rows). On a GPU the
                rows are the single-token decodes, padded to a fixed batch and table width
                (graph-capturable: fixed shapes, lengths read on the device).
-     prompts   (CPU with the C++ kernel) chunks that start their request's context (no cached keys
-               before them) follow the kernel's rows; each attends to its own k/v, causal, in one
-               `F.scaled_dot_product_attention` call of its own: what transformers runs on a prompt, so
-               the same sums (torch's flash attention, which on a CPU with AMX packs for its tiles and
-               attends a prompt 3x faster in bf16 than the C++ kernel; 1.25x in float32),
+     prompts   (CPU with the C++ kernel) prefill chunks (`PromptChunk`) follow the kernel's rows, each
+               in one `F.scaled_dot_product_attention` call of its own: a chunk that starts its request's
+               context attends to its own k/v, causal, what transformers runs on a prompt, so the same
+               sums; a chunk after cached keys attends to its context's blocks gathered from the pool
+               (itself included) under a causal mask, which for the prompt's last chunk is the sum of
+               transformers' one call over the whole prompt (the same key splits; in bf16 on an AMX
+               Xeon the same bits) (torch's flash attention, which on a CPU with AMX packs for its
+               tiles and attends a prompt 3x faster in bf16 than the C++ kernel; 1.25x in float32),
      prefill   (GPU, and CPUs without the C++ kernel) all prefill chunks at once: their blocks (earlier
                context and the chunk itself, already written to the pool) gathered with one
                `index_select`, then one SDPA whose boolean mask lets each token see its own request's
@@ -64,6 +67,28 @@ class PrefillBatch:
 
 
 @dataclass
+class PromptChunk:
+    """A prefill chunk attended by its own SDPA call (CPU path)."""
+
+    num_tokens: int
+    context_blocks: torch.Tensor | None = None
+    """[N] long: for a chunk after cached keys, the blocks of its context and itself; None: the chunk
+    starts its request's context and attends to its own k/v."""
+    mask: torch.Tensor | None = None
+    """[num_tokens, context + num_tokens] True where a chunk token may attend to a key (with `context_blocks`)."""
+
+
+def prompt_chunk(block_ids: list[int], start: int, num_tokens: int, block_size: int, device: torch.device) -> PromptChunk:
+    """The chunk of `num_tokens` tokens at `start` of a request whose blocks are `block_ids`."""
+    if start == 0:
+        return PromptChunk(num_tokens)
+    keys = start + num_tokens
+    blocks = torch.tensor(block_ids[: -(-keys // block_size)], dtype=torch.long, device=device)
+    mask = torch.arange(keys, device=device).unsqueeze(0) <= torch.arange(start, keys, device=device).unsqueeze(1)
+    return PromptChunk(num_tokens, blocks, mask)
+
+
+@dataclass
 class AttentionMetadata:
     kv_cache: KVCache
     slot_mapping: torch.Tensor
@@ -71,9 +96,9 @@ class AttentionMetadata:
     decode: DecodeBatch | None
     prefill: PrefillBatch | None
     on_layer_written: Callable[[int], None] | None = None
-    prompt_lens: list[int] | None = None
-    """Tokens of each chunk that starts its request's context, in packed order after the kernel's rows
-    (CPU path; None: no such chunk, or the path attends them in `prefill`)."""
+    prompts: list[PromptChunk] | None = None
+    """The prefill chunks attended by SDPA one by one, in packed order after the kernel's rows (CPU
+    path; None: no such chunk, or the path attends them in `prefill`)."""
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata, layer: int, scaling: float | None) -> torch.Tensor:
@@ -86,20 +111,39 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
         parts.append(d.kernel(q[:nd], kc, vc, d.block_table, d.context_lens, scaling, query_starts=d.query_starts))
     if meta.prefill is not None:
         parts.append(_prefill(q[nd:], kc, vc, meta.prefill, scaling))
-    if meta.prompt_lens is not None:
-        parts.extend(_prompts(q[nd:], k[nd:], v[nd:], meta.prompt_lens, scaling))
+    if meta.prompts is not None:
+        parts.extend(_prompts(q[nd:], k[nd:], v[nd:], kc, vc, meta.prompts, scaling))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, lengths: list[int], scaling: float | None) -> list[torch.Tensor]:
-    """Each prompt chunk's causal attention over its own keys, in the layout transformers hands SDPA."""
+def _prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[PromptChunk],
+             scaling: float | None) -> list[torch.Tensor]:
+    """Each prefill chunk's causal attention, in the layout transformers hands SDPA: over its own k/v, or
+    over its context's (and its own) k/v in the pool."""
     out, first = [], 0
-    for n in lengths:
-        rows = slice(first, first + n)
-        qp, kp, vp = (t[rows].transpose(0, 1).unsqueeze(0).contiguous() for t in (q, k, v))
-        out.append(F.scaled_dot_product_attention(qp, kp, vp, is_causal=True, scale=scaling, enable_gqa=True)[0].transpose(0, 1))
-        first += n
+    for chunk in chunks:
+        rows = slice(first, first + chunk.num_tokens)
+        qp = _heads_first(q[rows])
+        if chunk.context_blocks is None:
+            attended = F.scaled_dot_product_attention(qp, _heads_first(k[rows]), _heads_first(v[rows]), is_causal=True, scale=scaling,
+                                                      enable_gqa=True)
+        else:
+            kp, vp = (_heads_first(_gather(cache, chunk)) for cache in (kc, vc))
+            attended = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=chunk.mask, scale=scaling, enable_gqa=True)
+        out.append(attended[0].transpose(0, 1))
+        first += chunk.num_tokens
     return out
+
+
+def _heads_first(t: torch.Tensor) -> torch.Tensor:
+    """[T, heads, D] -> [1, heads, T, D] contiguous."""
+    return t.transpose(0, 1).unsqueeze(0).contiguous()
+
+
+def _gather(cache: torch.Tensor, chunk: PromptChunk) -> torch.Tensor:
+    """The chunk's context and own keys (or values) from one layer of the pool: [keys, Hkv, D]."""
+    heads, dim = cache.shape[2], cache.shape[3]
+    return cache.index_select(0, chunk.context_blocks).view(-1, heads, dim)[: chunk.mask.shape[1]]
 
 
 def _prefill(q: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, p: PrefillBatch, scaling: float | None) -> torch.Tensor:

@@ -7,9 +7,10 @@ layers), runs the HF model once on the whole packed row with the paged attention
 bookkeeping is plain Python on ints, turned into a few tensors at the end.
 
 On a CPU with the C++ kernel (engine.kernels, built once per machine) every request of the step is one
-row of one `paged_decode` kernel call per layer: decodes, verifying rows and prefill chunks after cached
-keys alike, in the batch's order, followed by the chunks that start a prompt (each attended on its own by
-SDPA, as transformers attends a prompt; engine.attention); its linear layers run as engine.linears decides
+row of one `paged_decode` kernel call per layer: decodes, verifying rows and short prefill chunks after
+cached keys alike, in the batch's order, followed by the other prefill chunks (each attended on its own by
+SDPA, as transformers attends a prompt, over its context gathered from the pool when it has one;
+engine.attention); its linear layers run as engine.linears decides
 (the small-matmul kernel for float32 inputs of few rows, bf16 weights packed once). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU
 tests run the GPU path), single-token decodes go first through the decode kernel (triton on CUDA, the
 torch gather otherwise) and all prefill chunks follow in one SDPA call per layer; a pure decode step (no
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from engine import attention, linears, paged_decode
-from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch
+from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch, prompt_chunk
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
 from engine.step import StepItem
@@ -38,9 +39,16 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _starts_context(item: StepItem) -> bool:
-    """A prompt chunk with no keys before it (CPU path: attended apart from the kernel's rows)."""
-    return item.start == 0 and item.num_tokens > 1 and not item.num_proposed
+SDPA_CHUNK_AFTER_CONTEXT = 16
+"""A prefill chunk after cached keys of at least this many tokens is attended by SDPA over its gathered
+context (CPU path); shorter ones cost less as rows of the C++ kernel, which reads the context in place."""
+
+
+def _attended_apart(item: StepItem) -> bool:
+    """A prefill chunk attended by its own SDPA call (CPU path), apart from the kernel's rows."""
+    if item.num_tokens == 1 or item.num_proposed:
+        return False
+    return item.start == 0 or item.num_tokens >= SDPA_CHUNK_AFTER_CONTEXT
 
 
 class ModelRunner:
@@ -93,11 +101,11 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        starts = [_starts_context(s) for s in batch]
-        order = [i for i, first in enumerate(starts) if not first] + [i for i, first in enumerate(starts) if first]
+        apart = [_attended_apart(s) for s in batch]
+        order = [i for i, alone in enumerate(apart) if not alone] + [i for i, alone in enumerate(apart) if alone]
         ordered = [batch[i] for i in order]
-        rows = ordered[: starts.count(False)]
-        prompt_lens = [s.num_tokens for s in ordered[len(rows) :]]
+        rows = ordered[: apart.count(False)]
+        prompts = [prompt_chunk(s.block_ids, s.start, s.num_tokens, self.block_size, self.device) for s in ordered[len(rows) :]]
         input_ids, positions, slots, sampling_rows = self._pack(ordered)
         meta = AttentionMetadata(
             kv_cache=self.kv_cache,
@@ -106,7 +114,7 @@ class ModelRunner:
             decode=self._decode_batch(rows),
             prefill=None,
             on_layer_written=on_layer_written,
-            prompt_lens=prompt_lens or None,
+            prompts=prompts or None,
         )
         return order, self._forward(input_ids, positions, sampling_rows, meta)
 

@@ -8,8 +8,8 @@ first token's logits) is the same bits, on every CPU (the kernel's sums follow t
 measured, and never exactly for long prompts). The linear layers stay torch's here: in float32 a prompt of
 at most the crossover's rows (engine.small_matmul, measured per machine) would otherwise take the small-matmul
 kernel, which sums in its own order by design, as it would for the LM head's one row. Prompts from under one block to
-the demo's longest (no prefix cache: the demo prompts share their chat template's start, and a chunk after
-cached keys is the kernel's); the pool's blocks are all free again afterwards.
+the demo's longest (no prefix cache: the demo prompts share their chat template's start, and cached keys were
+summed in another prompt's call, over other key splits); the pool's blocks are all free again afterwards.
 """
 
 import pytest
@@ -36,10 +36,10 @@ def _last_hidden(model: torch.nn.Module, store: list[torch.Tensor]) -> None:
 
 def test_a_prompt_alone_reaches_the_lm_head_as_in_transformers(model_pair, demo_prompt_ids, monkeypatch):
     loaded, hf = model_pair
-    engine = make_engine(loaded, enable_prefix_caching=False)
+    engine = make_engine(loaded, enable_prefix_caching=False)  # a cached prefix would make a later chunk of the prompt
     for layer in loaded.model.modules():  # float32: prompts up to the measured crossover would take the small-matmul kernel
         if type(layer) is FewRowsLinear:
-            monkeypatch.setattr(layer, "few_rows", 0)  # a cached prefix would make a later chunk of the prompt
+            monkeypatch.setattr(layer, "few_rows", 0)
     assert not engine.runner.batched, "the CPU path with the C++ kernel is what this test is about"
     ours: list[torch.Tensor] = []
     theirs: list[torch.Tensor] = []
