@@ -18,7 +18,6 @@ import logging
 import multiprocessing
 import os
 import secrets
-import socket
 import threading
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
@@ -47,8 +46,8 @@ a dead peer's closed connection fails the collective at once)."""
 class RankInfo:
     rank: int
     world_size: int
-    init_method: str
-    """torch.distributed rendezvous, tcp://127.0.0.1:PORT (the ranks share a node)."""
+    store_port: int
+    """The torch.distributed rendezvous: rank 0's TCPStore on 127.0.0.1 (the ranks share a node)."""
     steps_address: tuple[str, int]
     authkey: bytes
     agent: tuple[str, Any] | None = None
@@ -90,20 +89,22 @@ class LocalRanks:
         return process
 
 
-def join(info: RankInfo, device: str) -> None:
-    """Join the group's torch.distributed process group (and tell transformers who we are)."""
+def join(info: RankInfo, device: str, store: dist.TCPStore | None = None) -> None:
+    """Join the group's torch.distributed process group (and tell transformers who we are): rank 0
+    through the rendezvous `store` it serves, a follower as that store's client."""
     os.environ.update(RANK=str(info.rank), LOCAL_RANK=str(info.rank), WORLD_SIZE=str(info.world_size))
     backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
     if backend == "nccl":
         torch.cuda.set_device(torch.device(device))
-    dist.init_process_group(backend, init_method=info.init_method, rank=info.rank, world_size=info.world_size,
-                            timeout=COLLECTIVE_TIMEOUT)
+    if store is None:
+        store = dist.TCPStore("127.0.0.1", info.store_port, info.world_size, is_master=False, timeout=COLLECTIVE_TIMEOUT)
+    dist.init_process_group(backend, store=store, rank=info.rank, world_size=info.world_size, timeout=COLLECTIVE_TIMEOUT)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(world_size: int) -> dist.TCPStore:
+    """Rank 0's rendezvous server, on a port the OS picks as it binds (a port found free and bound
+    later can be taken in between by any connection's ephemeral port: EADDRINUSE, seen in CI)."""
+    return dist.TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
 
 
 @dataclass(eq=False)
@@ -138,13 +139,14 @@ class TensorParallelGroup:
         world = config.tensor_parallel_size
         authkey = secrets.token_bytes(16)
         listener = Listener(("127.0.0.1", 0), authkey=authkey)
-        info = RankInfo(0, world, f"tcp://127.0.0.1:{_free_port()}", listener.address, authkey, agent)
+        store = _rendezvous_store(world)
+        info = RankInfo(0, world, store.port, listener.address, authkey, agent)
         launcher = launcher or LocalRanks()
         processes = [launcher.launch(config, dataclasses.replace(info, rank=rank)) for rank in range(1, world)]
         try:
             channels = [listener.accept() for _ in processes]
             channels.sort(key=lambda c: c.recv())  # each follower says its rank first
-            join(info, info.device(config.device))
+            join(info, info.device(config.device), store)
         except BaseException:
             for process in processes:
                 process.kill()
