@@ -1,8 +1,8 @@
 """The model's attention-free ceilings: its forward with attention replaced by a function that returns
-the query unchanged, so only the matmuls (and norms) run, each linear layer as the engine runs it
-(`_linears_as_in_engine`: few rows through the small-matmul kernel in float32, decode rows through
-engine.one_row_linear's kernel in bf16, where the engine sends them there; the rest through torch, bf16
-weights reordered once for oneDNN: engine.linears).
+the query unchanged, so only the matmuls, norms and rotary embedding run, each as the engine runs it
+(`_kernels_as_in_engine`: rotary embedding and RMSNorm in one pass, engine.llama_layers; few rows through the small-matmul
+kernel in float32, decode rows through engine.one_row_linear's kernel in bf16, where the engine sends them
+there; the rest through torch, bf16 weights reordered once for oneDNN: engine.linears).
 `matmul_ceiling_forward` is one step of a batch of single decode tokens, `prefill_ceiling_forward` one
 packed prompt chunk (bench.engine times it between the engine's prefill steps; `run_prefill_ceiling` in
 a row); `workload_ceiling` combines them
@@ -22,7 +22,8 @@ import torch
 from tqdm import tqdm
 
 from bench.engine_workload import Workload
-from engine import linears, one_row_linear
+from engine import one_row_linear
+from engine.model_runner import install_cpu_kernels
 
 NOATTN_IMPLEMENTATION = "pdserve_noattn"
 
@@ -41,16 +42,16 @@ def _register_no_attention() -> str:
     return NOATTN_IMPLEMENTATION
 
 
-def _linears_as_in_engine(model: torch.nn.Module) -> one_row_linear.LoneRows | None:
-    """What the engine's ModelRunner installs on its model (CPU)."""
-    return linears.install(model)
+def _kernels_as_in_engine(model: torch.nn.Module) -> one_row_linear.LoneRows | None:
+    """What the engine's ModelRunner installs on its model (CPU): the Llama layers' and the linear layers' kernels."""
+    return install_cpu_kernels(model)
 
 
 def matmul_ceiling_forward(model: torch.nn.Module, batch: int, position: int, vocab_size: int) -> Callable[[], None]:
     """The matmul ceiling's step, warmed up: one attention-free forward of `batch` single decode tokens at
     `position` (bench.engine times it step by step, alternating with the engine's own decode steps)."""
     model.set_attn_implementation(_register_no_attention())
-    lone_rows = _linears_as_in_engine(model)
+    lone_rows = _kernels_as_in_engine(model)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, vocab_size, (batch, 1), generator=gen)
     positions = torch.full((batch, 1), position, dtype=torch.long)
@@ -85,7 +86,7 @@ def prefill_ceiling_forward(model: torch.nn.Module, tokens: int, vocab_size: int
     `tokens` tokens (logits of the last only), the most prompt tokens per second any engine gets out of these
     matmuls (bench.engine runs it between the engine's prefill steps, `PrefillCeiling`)."""
     model.set_attn_implementation(_register_no_attention())
-    lone_rows = _linears_as_in_engine(model)
+    lone_rows = _kernels_as_in_engine(model)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, vocab_size, (1, tokens), generator=gen)
     positions = torch.arange(tokens).unsqueeze(0)

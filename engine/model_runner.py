@@ -27,7 +27,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, linears, paged_decode
+from engine import attention, linears, llama_layers, paged_decode
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch, prompt_chunk
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -49,6 +49,15 @@ def _attended_apart(item: StepItem) -> bool:
     if item.num_tokens == 1 or item.num_proposed:
         return False
     return item.start == 0 or item.num_tokens >= SDPA_CHUNK_AFTER_CONTEXT
+
+
+def install_cpu_kernels(model: torch.nn.Module) -> linears.LoneRows | None:
+    """What a runner on a CPU installs on its model, each part giving transformers' bits: the one-pass rotary
+    embedding and RMSNorm (engine.llama_layers) and each linear layer's kernel (engine.linears, whose LoneRows
+    it returns).
+    bench.ceilings installs the same, so that its attention-free ceilings run what the engine runs."""
+    llama_layers.install(model)
+    return linears.install(model)
 
 
 class ModelRunner:
@@ -73,7 +82,7 @@ class ModelRunner:
         self.fallback_reason: str | None = None
         """Why the default decode kernel / graphs could not be used here (None: they are)."""
         model.set_attn_implementation(attention.register())
-        self.lone_rows = linears.install(model) if self.device.type == "cpu" else None
+        self.lone_rows = install_cpu_kernels(model) if self.device.type == "cpu" else None
         """Told each step which rows decode, for bf16 layers that sum them as lone rows (engine.linears)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))

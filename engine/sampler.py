@@ -37,6 +37,12 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
     return (kernel.argmax_rows(logits) if kernel is not None else torch.argmax(logits, dim=-1)).tolist()
 
 
+def _argmax_only(seqs: list[Sequence]) -> bool:
+    """Every row takes the argmax of its raw logits, which reads the same in the model's dtype as in float32
+    (the widening is exact): no float copy of the step's logits is needed."""
+    return all(s.params.greedy and s.params.logprobs is None and not s.params.adjusts_logits and s.params.structured is None for s in seqs)
+
+
 class Sampler:
     def __init__(self, seed: int = 0, eos_token_ids: Iterable[int] = (), structured: StructuredOutputs | None = None):
         self._adjuster = LogitsAdjuster(eos_token_ids)
@@ -51,7 +57,8 @@ class Sampler:
             self.structured.forget(request_id)
 
     def sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[Sample]:
-        logits = logits.float()
+        if logits.dtype != torch.float32 and not _argmax_only(seqs):
+            logits = logits.float()
         adjusted = self._adjuster.adjust(logits, seqs)
         if self.structured is not None:
             adjusted = self.structured.mask(adjusted, seqs, in_place=adjusted is not logits)

@@ -86,16 +86,21 @@ def variant_sources(name: str) -> dict[str, str]:
 
 
 def revision_sources(revision: str) -> dict[str, str]:
-    """The kernels' sources and headers as they were at git revision `revision`; raises if git does not know it."""
+    """The kernels' sources and headers as they were at git revision `revision` (a source added since is left
+    out: that revision's bindings do not name it); raises if git does not know the revision."""
     from engine import kernels
 
+    verified = subprocess.run(["git", "rev-parse", "--verify", "--quiet", f"{revision}^{{commit}}"], cwd=common.REPO, capture_output=True, text=True, timeout=30)
+    if verified.returncode != 0:
+        raise ValueError(f"--against {revision}: git does not know that revision")
     texts = {}
     for file in kernels.SOURCES + kernels.HEADERS:
         path = (kernels.FOLDER / file).relative_to(common.REPO).as_posix()
         shown = subprocess.run(["git", "show", f"{revision}:{path}"], cwd=common.REPO, capture_output=True, text=True, timeout=30)
-        if shown.returncode != 0:
+        if shown.returncode == 0:
+            texts[file] = shown.stdout
+        elif file in kernels.HEADERS or file == "bindings.cpp":
             raise ValueError(f"--against {revision}: git has no {path} there ({shown.stderr.strip()})")
-        texts[file] = shown.stdout
     return texts
 
 
@@ -114,7 +119,7 @@ def build(name: str, texts: dict[str, str] | None = None):
         if not (directory / file).exists() or (directory / file).read_text() != text:
             (directory / file).write_text(text)
     common.log.info("building variant %s in %s", name, directory)
-    return kernels.compile_module(f"pdserve_variant_{safe}_{key}", directory)
+    return kernels.compile_module(f"pdserve_variant_{safe}_{key}", directory, [file for file in kernels.SOURCES if file in texts])
 
 
 def attention_inputs(case: AttentionCase, dtype, layers: int, seed: int = 0) -> dict[str, Any]:

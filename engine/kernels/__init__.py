@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+from collections.abc import Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -28,7 +29,7 @@ import torch
 log = logging.getLogger(__name__)
 
 FOLDER = Path(__file__).parent
-SOURCES = ("paged_attention.cpp", "small_matmul.cpp", "one_row_linear.cpp", "argmax_rows.cpp", "bindings.cpp")
+SOURCES = ("paged_attention.cpp", "small_matmul.cpp", "one_row_linear.cpp", "argmax_rows.cpp", "rotary.cpp", "rms_norm.cpp", "bindings.cpp")
 HEADERS = ("kernels.h", "vector.h")
 CACHE_ROOT = Path(os.environ.get("PDSERVE_KERNEL_CACHE", Path.home() / ".cache" / "pdserve" / "kernels"))
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd"]
@@ -78,13 +79,13 @@ def load() -> ModuleType | None:
         return None
 
 
-def compile_module(name: str, directory: Path) -> ModuleType:
-    """Compile and import the SOURCES staged in `directory` as module `name` (ninja rebuilds only what changed);
-    also how bench.experiments.kernel_variants builds its edited copies."""
+def compile_module(name: str, directory: Path, sources: Sequence[str] = SOURCES) -> ModuleType:
+    """Compile and import `sources` (default: SOURCES) staged in `directory` as module `name` (ninja rebuilds only
+    what changed); also how bench.experiments.kernel_variants builds its edited copies and earlier revisions."""
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
-    return cpp_extension.load(name=name, sources=[str(directory / source) for source in SOURCES], extra_cflags=FLAGS,
+    return cpp_extension.load(name=name, sources=[str(directory / source) for source in sources], extra_cflags=FLAGS,
                               build_directory=str(directory), verbose=False)
 
 

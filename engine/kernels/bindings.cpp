@@ -16,4 +16,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::arg("x"), pybind11::arg("packed"));
   m.def("argmax_rows", &pdserve::argmax_rows, "each row's argmax, as torch.argmax(logits, -1) (CPU, float32 or bf16)",
         pybind11::arg("logits"));
+  m.def("rotary_supports", &pdserve::rotary_supports, "whether rotary_embedding_ takes this head size");
+  m.def("rotary_embedding_", &pdserve::rotary_embedding_, "q, k rotated in place as transformers' apply_rotary_pos_emb (CPU)",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("cos"), pybind11::arg("sin"));
+  m.def("rms_squares", &pdserve::rms_squares, "x^2 in float32, as transformers' RMSNorm squares (CPU)", pybind11::arg("x"));
+  m.def("rms_scale", &pdserve::rms_scale, "weight * (x * rsqrt(variance + eps)) as transformers' RMSNorm rounds it (CPU)",
+        pybind11::arg("x"), pybind11::arg("variance"), pybind11::arg("weight"), pybind11::arg("eps"));
 }

@@ -24,4 +24,12 @@ at::Tensor one_row_linear(at::Tensor x, at::Tensor packed);
 // argmax_rows.cpp: each row's argmax (as torch.argmax: the first on ties), float32 or bf16 rows.
 at::Tensor argmax_rows(at::Tensor logits);
 
+// rotary.cpp: transformers' rotary position embedding of q and k, in place, in one pass (float32 or bf16).
+bool rotary_supports(int64_t head_dim);
+void rotary_embedding_(at::Tensor q, at::Tensor k, at::Tensor cos, at::Tensor sin);
+
+// rms_norm.cpp: transformers' RMSNorm in two passes around torch's mean (float32 or bf16).
+at::Tensor rms_squares(at::Tensor x);
+at::Tensor rms_scale(at::Tensor x, at::Tensor variance, at::Tensor weight, double eps);
+
 }  // namespace pdserve

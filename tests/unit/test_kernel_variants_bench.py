@@ -3,6 +3,7 @@ silently stopped applying would time the current kernel against itself), and `--
 the engine's own build. No speed is asserted; building the variants (minutes) is left to the experiment."""
 
 import json
+import subprocess
 
 import pytest
 
@@ -30,6 +31,16 @@ def test_against_takes_the_kernels_of_a_git_revision():
     assert "paged_decode" in texts["paged_attention.cpp"]
     with pytest.raises(ValueError, match="no_such_revision"):
         kernel_variants.revision_sources("no_such_revision")
+
+
+def test_a_revision_before_a_source_was_added_leaves_it_out():
+    added = subprocess.run(["git", "log", "--diff-filter=A", "--format=%H", "--", "engine/kernels/rotary.cpp"], cwd=common.REPO,
+                           capture_output=True, text=True, timeout=30).stdout.split()
+    if not added:
+        pytest.skip("git here has no history of engine/kernels/rotary.cpp (a shallow clone, or not committed yet)")
+    texts = kernel_variants.revision_sources(f"{added[-1]}~1")
+    assert "rotary.cpp" not in texts
+    assert "paged_decode" in texts["paged_attention.cpp"] and "bindings.cpp" in texts
 
 
 def test_unknown_variant_is_a_usage_error(capsys):

@@ -111,6 +111,21 @@ def test_sampler_greedy_takes_the_penalised_argmax_and_logprobs_stay_raw():
     assert list(samples[0].top_logprobs) == [top]
 
 
+def test_bf16_logits_give_the_float32_answers_with_or_without_a_float_copy():
+    """Greedy rows over bf16 logits are read as they are; a step with a row that needs more (logprobs, a
+    penalty) widens them first. Either way each row gets what float32 logits would give (first index on ties)."""
+    x = logits(4, seed=3).to(torch.bfloat16)
+    x[1, 10] = x[1, 40] = x[1].max() + 1  # a tie: the first index wins
+    plain = [seq([1], [], rid=f"p{i}") for i in range(4)]
+    expected = [int(t) for t in x.float().argmax(dim=-1)]
+    assert [s.token_id for s in Sampler(0, EOS).sample(x, plain)] == expected
+    assert expected[1] == 10
+    mixed = plain[:3] + [seq([1], [], rid="lp", logprobs=2)]
+    samples = Sampler(0, EOS).sample(x, mixed)
+    assert [s.token_id for s in samples] == expected
+    assert samples[3].logprob == pytest.approx(torch.log_softmax(x[3].float(), dim=-1)[expected[3]].item())
+
+
 def test_sampled_rows_never_draw_a_masked_token():
     x = torch.zeros(1, VOCAB)
     x[0, list(EOS)] = 50.0  # EOS would win almost surely
