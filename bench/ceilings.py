@@ -1,8 +1,8 @@
 """The model's attention-free ceilings: its forward with attention replaced by a function that returns
 the query unchanged, so only the matmuls, norms and rotary embedding run, each as the engine runs it
-(`_kernels_as_in_engine`: rotary embedding and RMSNorm in one pass, engine.llama_layers; few rows through the small-matmul
-kernel in float32, decode rows through engine.one_row_linear's kernel in bf16, where the engine sends them
-there; the rest through torch, bf16 weights reordered once for oneDNN: engine.linears).
+(`_kernels_as_in_engine`: rotary embedding and RMSNorm in one pass, engine.llama_layers; few rows through
+the small-matmul kernel in float32, decode rows through engine.one_row_linear's kernel in bf16, where the
+engine sends them there; the rest through torch, bf16 weights reordered once for oneDNN: engine.linears).
 `matmul_ceiling_forward` is one step of a batch of single decode tokens, `prefill_ceiling_forward` one
 packed prompt chunk (bench.engine times it between the engine's prefill steps; `run_prefill_ceiling` in
 a row); `workload_ceiling` combines them

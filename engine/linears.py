@@ -13,10 +13,9 @@ from __future__ import annotations
 from torch import nn
 
 from engine import one_row_linear, packed_linear, small_matmul
-from engine.one_row_linear import LoneRows
 
 
-def install(model: nn.Module) -> LoneRows | None:
+def install(model: nn.Module) -> one_row_linear.LoneRows | None:
     """Returns the LoneRows a runner sets before each forward (None when no layer needs it)."""
     small_matmul.install(model)
     lone_rows = one_row_linear.install(model)

@@ -31,6 +31,7 @@ from engine import attention, linears, llama_layers, paged_decode
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch, prompt_chunk
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
+from engine.one_row_linear import LoneRows
 from engine.step import StepItem
 
 log = logging.getLogger(__name__)
@@ -51,11 +52,10 @@ def _attended_apart(item: StepItem) -> bool:
     return item.start == 0 or item.num_tokens >= SDPA_CHUNK_AFTER_CONTEXT
 
 
-def install_cpu_kernels(model: torch.nn.Module) -> linears.LoneRows | None:
+def install_cpu_kernels(model: torch.nn.Module) -> LoneRows | None:
     """What a runner on a CPU installs on its model, each part giving transformers' bits: the one-pass rotary
     embedding and RMSNorm (engine.llama_layers) and each linear layer's kernel (engine.linears, whose LoneRows
-    it returns).
-    bench.ceilings installs the same, so that its attention-free ceilings run what the engine runs."""
+    it returns). bench.ceilings installs the same, so that its attention-free ceilings run what the engine runs."""
     llama_layers.install(model)
     return linears.install(model)
 
