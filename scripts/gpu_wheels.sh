@@ -3,8 +3,11 @@
 #
 # The device (one H200, no network) has python3.12, torch 2.11 (CUDA 13), transformers 5.17, grpcio,
 # protobuf, pyyaml, numpy, cupy, triton, prometheus-client, uvloop, httpx, anyio; NOT ray, ucxx, gguf,
-# crc32c, grpcio-health-checking, grpcio-reflection, fastapi, starlette, pydantic, uvicorn. anyio travels
-# too (starlette 1.x needs anyio 4; the image's version is unknown).
+# crc32c, grpcio-health-checking, grpcio-reflection, fastapi, starlette, pydantic, uvicorn,
+# opentelemetry-sdk (common.tracing), xgrammar and apache-tvm-ffi (engine.structured, imported by the
+# sampler), jsonschema and its three (the router's response_format checks). anyio travels too (starlette
+# 1.x needs anyio 4; the image's version is unknown). The list was checked by running the quick check in
+# a virtualenv holding only the image's packages and these wheels (transformers 5.17).
 # The plain-process path (python -m router / prefill_worker / decode_worker) needs the latter, and the
 # committed generated protobuf/gRPC code needs protobuf >= 7.35 and grpcio >= 1.85.1, so those travel
 # too (same versions as this project's venv). Ray, ucxx and gguf stay behind: not needed there
@@ -24,6 +27,9 @@ WHEELS=(
   fastapi==0.165.0 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0
   annotated-doc==0.0.7 typing-extensions==4.16.0 typing-inspection==0.4.5
   anyio==4.16.0 idna==3.20 opentelemetry-api==1.45.2 uvicorn==0.54.0 h11==0.16.0 click==8.5.1 crc32c==2.9.post0
+  opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
+  xgrammar==0.2.9 apache-tvm-ffi==0.1.15.post2
+  jsonschema==4.26.0 jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1
 )
 PY=${PYTHON:-python3}
 mkdir -p .whl

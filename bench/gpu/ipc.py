@@ -74,3 +74,46 @@ def host_staged(device: str, nbytes: int, iters: int = 10) -> dict:
         "bytes": nbytes, "pinned": pinned, "d2h_gbps": round(nbytes / d2h / 1e9, 3), "h2d_gbps": round(nbytes / h2d / 1e9, 3),
         "staged_gbps": round(nbytes / (d2h + h2d) / 1e9, 3),
     }
+
+
+def _event_child(inbox, outbox) -> None:
+    try:
+        pool, handle = inbox.get(timeout=120)
+        event = torch.cuda.Event.from_ipc_handle(pool.device, handle)
+        assert inbox.get(timeout=120) == "recorded"
+        mine = torch.empty_like(pool)
+        torch.cuda.current_stream(pool.device).wait_event(event)  # the parent's write, ordered on the device
+        mine.copy_(pool)
+        outbox.put({"bytes_after_wait_are_the_written_ones": bool((mine == 7).all())})
+    except Exception as exc:  # reported by the parent
+        outbox.put({"error": f"{type(exc).__name__}: {exc}"})
+
+
+def ipc_event_order(device: str, numel: int = 1 << 26, sleep_cycles: int = 200_000_000, timeout: float = 120) -> dict:
+    """A second process waits on the parent's interprocess CUDA event before copying a buffer that the parent
+    writes after a ~0.1 s device sleep, without any host sync: the mechanism a per-layer KV hand-off between
+    processes on one device needs. The copy sees the written bytes only if the wait orders it."""
+    if not device.startswith("cuda"):
+        raise RuntimeError("interprocess events need CUDA")
+    ctx = torch.multiprocessing.get_context("spawn")
+    pool = torch.zeros(numel, dtype=torch.uint8, device=device)
+    event = torch.cuda.Event(interprocess=True)
+    inbox, outbox = ctx.Queue(), ctx.Queue()
+    proc = ctx.Process(target=_event_child, args=(inbox, outbox), daemon=True)
+    proc.start()
+    try:
+        inbox.put((pool, event.ipc_handle()))
+        torch.cuda.synchronize()
+        torch.cuda._sleep(sleep_cycles)
+        pool.fill_(7)
+        event.record()
+        inbox.put("recorded")
+        result = outbox.get(timeout=timeout)
+        torch.cuda.synchronize()
+    finally:
+        proc.join(timeout=20)
+        if proc.is_alive():
+            proc.kill()
+    if "error" in result:
+        raise RuntimeError(f"child: {result['error']}")
+    return {"bytes": numel, **result}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 
@@ -79,12 +80,37 @@ def section_engine_throughput(m: Models) -> dict:
     _, _, engine, workload = m.big()
     graphs = engine.runner.graphs
     before = graphs.steps if graphs is not None else 0
-    result = bench_engine.run_engine(engine, workload)
+    with _step_times(engine) as steps:
+        result = bench_engine.run_engine(engine, workload)
     result["decode_steps_from_cuda_graphs"] = (graphs.steps - before) if graphs is not None else 0
+    result["step_seconds"] = steps
     result["num_requests"] = len(workload.prompts)
     result["decode_kernel"] = engine.runner.decode_kernel
     result["fallback_reason"] = engine.runner.fallback_reason
     return result
+
+
+@contextmanager
+def _step_times(engine: Engine):
+    """Seconds and counts of the engine's steps, split into graph-replayed decode steps and the others."""
+    totals = {"graph_steps": 0, "graph_s": 0.0, "other_steps": 0, "other_s": 0.0}
+    graphs, step = engine.runner.graphs, engine.step
+
+    def timed():
+        replays, t0 = graphs.steps if graphs is not None else 0, time.perf_counter()
+        out = step()
+        kind = "graph" if graphs is not None and graphs.steps > replays else "other"
+        totals[f"{kind}_steps"] += 1
+        totals[f"{kind}_s"] += time.perf_counter() - t0
+        return out
+
+    engine.step = timed
+    try:
+        yield totals
+    finally:
+        del engine.step
+        for key in ("graph_s", "other_s"):
+            totals[key] = round(totals[key], 3)
 
 
 def section_hf_static(m: Models) -> dict:
@@ -215,8 +241,9 @@ def section_kv_transfer(m: Models) -> dict:
     memcpy = m.copy_rate["copy_gbps"]
     result = ipc.ipc_copy(s.device, s.kv_blocks, block_numel, dtype)
     staged = ipc.host_staged(s.device, result["bytes"])
+    ordered = ipc.ipc_event_order(s.device) if s.device.startswith("cuda") else None
     return {
-        "ipc": result, "host_staged": staged, "device_memcpy_gbps": memcpy,
+        "ipc": result, "host_staged": staged, "device_memcpy_gbps": memcpy, "ipc_event_order": ordered,
         "ipc_contiguous_over_memcpy": round(result["contiguous_gbps"] / memcpy, 3),
         "ipc_gather_over_memcpy": round(result["gather_gbps"] / memcpy, 3),
         "host_staged_over_memcpy": round(staged["staged_gbps"] / memcpy, 3),

@@ -134,7 +134,11 @@ def test_new_config_fields_are_validated_by_name():
 
 
 def _triton_interpreted(code: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    """`code` in a fresh interpreter: on the GPU where there is one, else in triton's CPU interpreter."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    if not torch.cuda.is_available():
+        env["TRITON_INTERPRET"] = "1"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=600, cwd=ROOT)
 
 
