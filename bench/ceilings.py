@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 from bench.engine_workload import Workload
 from engine import one_row_linear
-from engine.model_runner import install_cpu_kernels
+from engine.model_runner import install_kernels
 
 NOATTN_IMPLEMENTATION = "pdserve_noattn"
 
@@ -44,7 +44,7 @@ def _register_no_attention() -> str:
 
 def _kernels_as_in_engine(model: torch.nn.Module) -> one_row_linear.LoneRows | None:
     """What the engine's ModelRunner installs on its model (CPU): the Llama layers' and the linear layers' kernels."""
-    return install_cpu_kernels(model)
+    return install_kernels(model, "cpu")
 
 
 def matmul_ceiling_forward(model: torch.nn.Module, batch: int, position: int, vocab_size: int) -> Callable[[], None]:

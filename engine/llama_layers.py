@@ -1,23 +1,25 @@
-"""transformers' Llama layers with their elementwise chains in one pass each, for the engine on a CPU.
+"""transformers' Llama layers with their elementwise chains in one pass each, on a CPU and on a CUDA device.
 
-Two parts of a Llama layer are chains of small tensor operations, each a pass over memory: the rotary
-embedding of q and k (`apply_rotary_pos_emb`: six operations) and RMSNorm (eight, twice per layer). On a CPU
-engine.kernels runs each chain in one pass with the same operations and roundings, so the bits stay
-transformers': `rotary_embedding_` rotates q and k in place (1/4 of the time in bf16, 1/10 in float32),
-`rms_squares` and `rms_scale` do RMSNorm around torch's own mean (the one reduction, whose order torch picks
-per CPU). Over the engine benchmark's workload in bf16 the two chains were ~12 % of the engine's time.
+Two parts of a Llama layer are chains of small tensor operations, each a pass over memory (a kernel launch on
+a GPU): the rotary embedding of q and k (`apply_rotary_pos_emb`: six operations) and RMSNorm (eight, twice per
+layer). Kernels run each chain in one pass with the same operations and roundings, so the bits stay
+transformers': `rotary_embedding_` rotates q and k in place, `rms_squares` and `rms_scale` do RMSNorm around
+torch's own mean (the one reduction, whose order torch picks per device). Two sets of kernels take the same
+calls: engine.kernels (C++, CPU: over the engine benchmark's workload in bf16 the two chains were ~12 % of the
+engine's time) and engine.triton_layers (CUDA: a decode step of a 1B model was ~700 kernel launches, mostly
+these chains, and launches, not bytes, set its time).
 
-Lifecycle: `install(model)` runs once per loaded model, on a CPU (engine.model_runner.install_cpu_kernels:
-the ModelRunner, and bench.ceilings, whose ceilings must run what the engine runs). Every `LlamaAttention`
-module whose head size the kernel takes gets transformers' forward with the rotation replaced (the same
+Lifecycle: `install(model, ops)` runs once per loaded model (engine.model_runner.install_kernels: the
+ModelRunner, and bench.ceilings, whose ceilings must run what the engine runs). Every `LlamaAttention` module
+whose head size the kernels take gets transformers' forward with the rotation replaced (the same
 projections, the same attention function: the engine's paged attention, the ceilings' none); every
-`LlamaRMSNorm` one that calls the kernels. Other architectures, and every model when the kernels are not
-built, keep transformers' forwards.
+`LlamaRMSNorm` one that calls the kernels. Other architectures keep transformers' forwards.
 """
 
 from __future__ import annotations
 
 import types
+from functools import partial
 
 import torch
 from torch import nn
@@ -29,21 +31,19 @@ from transformers.models.llama.modeling_llama import (
     eager_attention_forward,
 )
 
-from engine import kernels
 
-
-def install(model: nn.Module) -> int:
-    """Give the model's eligible layers the one-pass forwards; returns how many took one."""
-    kernel = kernels.load()
+def install(model: nn.Module, ops) -> int:
+    """Give the model's eligible layers the one-pass forwards calling `ops` (engine.kernels' built module or
+    engine.triton_layers); returns how many took one."""
     dtype = next(model.parameters()).dtype
-    if kernel is None or dtype not in (torch.float32, torch.bfloat16):
+    if dtype not in (torch.float32, torch.bfloat16):
         return 0
     installed = 0
     for module in model.modules():
-        if type(module) is LlamaAttention and kernel.rotary_supports(module.head_dim):
-            module.forward = types.MethodType(_attention_forward, module)
+        if type(module) is LlamaAttention and ops.rotary_supports(module.head_dim):
+            module.forward = types.MethodType(partial(_attention_forward, ops=ops), module)
         elif type(module) is LlamaRMSNorm:
-            module.forward = types.MethodType(_rms_norm_forward, module)
+            module.forward = types.MethodType(partial(_rms_norm_forward, ops=ops), module)
         else:
             continue
         installed += 1
@@ -51,7 +51,7 @@ def install(model: nn.Module) -> int:
 
 
 def _attention_forward(self: LlamaAttention, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
-                       attention_mask: torch.Tensor | None = None, cache=None, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
+                       attention_mask: torch.Tensor | None = None, cache=None, *, ops, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers' LlamaAttention.forward, its rotation done in place by the kernel."""
     input_shape = hidden_states.shape[:-1]
     hidden_shape = (*input_shape, -1, self.head_dim)
@@ -61,7 +61,7 @@ def _attention_forward(self: LlamaAttention, hidden_states: torch.Tensor, positi
     cos, sin = position_embeddings
     one_pass = cos.shape[:2] == query.shape[:2] and cos.dtype == query.dtype
     if one_pass and all(t.is_contiguous() for t in (query, key, cos, sin)):
-        kernels.load().rotary_embedding_(query, key, cos, sin)
+        ops.rotary_embedding_(query, key, cos, sin)
         query, key = query.transpose(1, 2), key.transpose(1, 2)
     else:
         query, key = apply_rotary_pos_emb(query.transpose(1, 2), key.transpose(1, 2), cos, sin)
@@ -73,10 +73,9 @@ def _attention_forward(self: LlamaAttention, hidden_states: torch.Tensor, positi
     return self.o_proj(output.reshape(*input_shape, -1).contiguous()), weights
 
 
-def _rms_norm_forward(self: LlamaRMSNorm, hidden_states: torch.Tensor) -> torch.Tensor:
+def _rms_norm_forward(self: LlamaRMSNorm, hidden_states: torch.Tensor, *, ops) -> torch.Tensor:
     """transformers' LlamaRMSNorm.forward: its mean by torch, the rest by the kernels."""
     if hidden_states.dtype != self.weight.dtype or not hidden_states.is_contiguous():
         return LlamaRMSNorm.forward(self, hidden_states)
-    kernel = kernels.load()
-    variance = kernel.rms_squares(hidden_states).mean(-1, keepdim=True)
-    return kernel.rms_scale(hidden_states, variance, self.weight, self.variance_epsilon)
+    variance = ops.rms_squares(hidden_states).mean(-1, keepdim=True)
+    return ops.rms_scale(hidden_states, variance, self.weight, self.variance_epsilon)

@@ -15,7 +15,9 @@ engine.attention); its linear layers run as engine.linears decides
 tests run the GPU path), single-token decodes go first through the decode kernel (triton on CUDA, the
 torch gather otherwise) and all prefill chunks follow in one SDPA call per layer; a pure decode step (no
 prefill, no layer hook) whose batch fits `cuda_graph_max_batch` is padded to a bucket and replayed from
-a CUDA graph (engine.cuda_graphs) when the triton decode kernel is available. `set_decode_kernel`
+a CUDA graph (engine.cuda_graphs) when the triton decode kernel is available; the triton kernel runs at the
+tile, warps and pipeline stages it measured fastest when the runner started, and Llama's rotary embedding
+and RMSNorm run as triton kernels (engine.llama_layers, engine.triton_layers). `set_decode_kernel`
 switches kernels (the device check measures both).
 """
 
@@ -27,7 +29,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, linears, llama_layers, paged_decode
+from engine import attention, kernels, linears, llama_layers, paged_decode, triton_layers
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch, prompt_chunk
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -52,11 +54,18 @@ def _attended_apart(item: StepItem) -> bool:
     return item.start == 0 or item.num_tokens >= SDPA_CHUNK_AFTER_CONTEXT
 
 
-def install_cpu_kernels(model: torch.nn.Module) -> LoneRows | None:
-    """What a runner on a CPU installs on its model, each part giving transformers' bits: the one-pass rotary
-    embedding and RMSNorm (engine.llama_layers) and each linear layer's kernel (engine.linears, whose LoneRows
-    it returns). bench.ceilings installs the same, so that its attention-free ceilings run what the engine runs."""
-    llama_layers.install(model)
+def install_kernels(model: torch.nn.Module, device: torch.device | str) -> LoneRows | None:
+    """What a runner installs on its model, each part giving transformers' bits: the one-pass rotary embedding and
+    RMSNorm (engine.llama_layers: the C++ kernels on a CPU where they build, triton's on CUDA where it is there)
+    and, on a CPU, each linear layer's kernel (engine.linears, whose LoneRows it returns). bench.ceilings installs
+    the same, so that its attention-free ceilings run what the engine runs."""
+    if torch.device(device).type == "cuda":
+        if triton_layers.available():
+            llama_layers.install(model, triton_layers)
+        return None
+    built = kernels.load()
+    if built is not None:
+        llama_layers.install(model, built)
     return linears.install(model)
 
 
@@ -81,8 +90,10 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.fallback_reason: str | None = None
         """Why the default decode kernel / graphs could not be used here (None: they are)."""
+        self.decode_tuning: dict | None = None
+        """The triton kernel's configuration and every candidate's time (CUDA; paged_decode.tune_triton)."""
         model.set_attn_implementation(attention.register())
-        self.lone_rows = install_cpu_kernels(model) if self.device.type == "cpu" else None
+        self.lone_rows = install_kernels(model, self.device)
         """Told each step which rows decode, for bf16 layers that sum them as lone rows (engine.linears)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
@@ -92,15 +103,33 @@ class ModelRunner:
             self.set_decode_kernel("torch")
 
     def set_decode_kernel(self, name: str) -> None:
-        """Use paged_decode.KERNELS[name] for decode rows; (re)captures the CUDA graphs when they apply. Only
-        the C++ kernel takes prefill chunks as rows: with any other the step takes the batched path."""
+        """Use paged_decode.KERNELS[name] for decode rows (triton on CUDA at the configuration it measures fastest
+        here, once: `decode_tuning`); (re)captures the CUDA graphs when they apply. Only the C++ kernel takes
+        prefill chunks as rows: with any other the step takes the batched path."""
         self.decode_kernel = name
         self.batched = self.batched or name != "cpp"
         self.graphs = None
+        self.decode_fn = paged_decode.KERNELS[name]
+        if name == "triton" and self.device.type == "cuda":
+            if self.decode_tuning is None:
+                self._tuned, self.decode_tuning = self._tune_triton()
+            self.decode_fn = self._tuned
         if self.cuda_graph_max_batch and name == "triton":
-            graphs = DecodeGraphs(self.model, self.kv_cache, self.cuda_graph_max_batch, self.max_blocks_per_seq, paged_decode.KERNELS[name])
+            graphs = DecodeGraphs(self.model, self.kv_cache, self.cuda_graph_max_batch, self.max_blocks_per_seq, self.decode_fn)
             graphs.capture()
             self.graphs = graphs
+
+    def _tune_triton(self) -> tuple[Callable, dict]:
+        """paged_decode.tune_triton over layer 0's pool; its default configuration if timing fails."""
+        cache, config = self.kv_cache, self.model.config
+        heads = cache.layout.num_kv_heads * (config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads))
+        try:
+            tuned, report = paged_decode.tune_triton(cache.key_caches[0], cache.value_caches[0], heads)
+        except Exception as exc:  # the kernel still runs at its defaults; its own failure is caught by the caller
+            log.warning("triton decode kernel not timed (%s); using its default configuration", exc)
+            return paged_decode.decode_triton, {"error": f"{type(exc).__name__}: {exc}"}
+        log.info("triton decode kernel: %s", report)
+        return tuned, report
 
     @torch.inference_mode()
     def execute(
@@ -166,7 +195,7 @@ class ModelRunner:
             return None
         lens = np.array([s.start + s.num_tokens for s in decodes], dtype=np.int32)
         table = block_table([s.block_ids for s in decodes], len(decodes), _cdiv(int(lens.max()), self.block_size), self.kv_cache.scratch_block)
-        kernel = paged_decode.KERNELS[self.decode_kernel]
+        kernel = self.decode_fn
         counts = [s.num_tokens for s in decodes]
         if max(counts) == 1:
             return DecodeBatch(self._to_device(table), self._to_device(lens), kernel)

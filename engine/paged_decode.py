@@ -29,6 +29,9 @@ a Hopper GPU without one, which is how its compilation was checked here.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 
@@ -92,12 +95,12 @@ if triton is not None:
             blk = tl.load(BT + row * stride_btb + tok // BS, mask=live, other=0).to(tl.int64)
             at = blk * stride_kb + (tok % BS).to(tl.int64) * stride_kt + kvh * stride_kh
             k = tl.load(K + at[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            v = tl.load(V + at[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)  # in flight with k
             s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale  # [G_PAD, TILE], fp32
             s = tl.where(live[None, :], s, float("-inf"))
             m_new = tl.maximum(m, tl.max(s, axis=1))
             p = tl.exp(s - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(V + at[:, None] + offs_d[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision=PRECISION)
             denom = denom * alpha + tl.sum(p, axis=1)
             m = m_new
@@ -106,7 +109,7 @@ if triton is not None:
 
 
 def decode_triton(q, key, value, block_table, context_lens, scale: float | None, tile: int = TOKENS_PER_TILE, num_warps: int = 4,
-                  query_starts=None) -> torch.Tensor:
+                  query_starts=None, num_stages: int | None = None) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("the triton decode kernel needs the triton package")
     if query_starts is not None:
@@ -122,11 +125,50 @@ def decode_triton(q, key, value, block_table, context_lens, scale: float | None,
         q, key, value, block_table, context_lens, out, scale,
         q.stride(0), q.stride(1), key.stride(0), key.stride(1), key.stride(2), block_table.stride(0), out.stride(0), out.stride(1),
         G=g, G_PAD=max(16, triton.next_power_of_2(g)), D=d, BS=bs, TILE=tile, num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
         # Operands go to the dot as fp32: bf16/fp16 values are exact in tf32, so tf32 loses nothing for
         # them; fp32 models need full fp32 products ("ieee") to match transformers token for token.
         PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )
     return out
+
+
+TRITON_CONFIGS = ((32, 4, 2), (32, 4, 3), (64, 4, 2), (64, 4, 3), (64, 8, 3), (128, 8, 2))
+"""(tokens per tile, warps, pipeline stages) at which a CUDA runner times the triton kernel when it starts."""
+
+
+def tune_triton(key, value, num_heads: int, rows: int = 128, context: int = 512, iters: int = 10) -> tuple[Callable, dict]:
+    """The triton kernel at the TRITON_CONFIGS entry that decodes `rows` rows of `context` keys fastest over this
+    layer's pool (a random table of its blocks: scattered, as after a busy prefill), and every entry's time in
+    microseconds. Which entry wins depends on the device and the head layout (on an H200 with a 1B model's pool,
+    a tile of 32 with 4 warps took 94 us and one of 16 took 149 us), so it is measured, not guessed."""
+    device = key.device
+    gen = torch.Generator().manual_seed(0)
+    table = torch.randint(0, key.shape[0], (rows, -(-context // key.shape[1])), generator=gen, dtype=torch.int32).to(device)
+    lens = torch.full((rows,), context, dtype=torch.int32, device=device)
+    q = torch.randn(rows, num_heads, key.shape[3], generator=gen).to(device=device, dtype=key.dtype)
+    timings, failed = {}, {}
+    for tile, warps, stages in TRITON_CONFIGS:
+        call = partial(decode_triton, q, key, value, table, lens, None, tile=tile, num_warps=warps, num_stages=stages)
+        try:
+            call()  # compiles
+            torch.cuda.synchronize(device)
+        except Exception as exc:  # e.g. a tile that needs more shared memory than the device has
+            failed[f"tile{tile}_warps{warps}_stages{stages}"] = f"{type(exc).__name__}: {exc}"[:200]
+            continue
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            call()
+        end.record()
+        end.synchronize()
+        timings[(tile, warps, stages)] = start.elapsed_time(end) * 1e3 / iters
+    if not timings:
+        raise RuntimeError(f"no triton decode configuration ran: {failed}")
+    tile, warps, stages = min(timings, key=timings.get)
+    report = {"tile": tile, "warps": warps, "stages": stages, "rows": rows, "context": context,
+              "us": {f"tile{t}_warps{w}_stages{st}": round(us, 1) for (t, w, st), us in timings.items()}, "failed": failed}
+    return partial(decode_triton, tile=tile, num_warps=warps, num_stages=stages), report
 
 
 def decode_cpp(q, key, value, block_table, context_lens, scale: float | None, query_starts=None) -> torch.Tensor:

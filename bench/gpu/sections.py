@@ -18,7 +18,7 @@ from bench import engine as bench_engine
 from bench.gpu import correctness, ipc, models
 from bench.gpu.device import copy_rate_gbps, sync, time_ms
 from bench.gpu.settings import CheckSettings
-from engine import Engine
+from engine import Engine, paged_decode
 from engine.scheduler import ScheduledSeq
 
 
@@ -69,6 +69,7 @@ def section_correctness(s: CheckSettings) -> dict:
             **correctness.compare(got, hf), "tokens": tokens,
             "decode_steps_from_cuda_graphs": graphs.steps if graphs is not None else 0, "engine_steps": engine.stats().steps,
             "decode_kernel": engine.runner.decode_kernel, "fallback_reason": engine.runner.fallback_reason,
+            "one_pass_layers": _one_pass_layers(loaded.model),
         }
         del engine, reference, loaded
     result["fp32_identical"] = result["float32"]["identical"] == result["float32"]["prompts"]
@@ -133,12 +134,18 @@ def section_decode_step(m: Models) -> dict:
     loaded, _, engine, _ = m.big()
     hbm = m.hbm_gbps()
     weights = _weight_bytes_read(loaded.model)
-    out = {"hbm_gbps_measured": hbm, "copy": m.copy_rate, "weight_bytes_read_per_step": weights, "batches": {}}
+    out = {"hbm_gbps_measured": hbm, "copy": m.copy_rate, "weight_bytes_read_per_step": weights, "batches": {},
+           "decode_tuning": engine.runner.decode_tuning, "one_pass_layers": _one_pass_layers(loaded.model)}
     for batch in m.s.decode_batches:
         out["batches"][str(batch)] = _decode_at(engine, batch, m.s, weights, hbm)
     if engine.runner.decode_kernel == "triton":
         out["triton_kernel_configs"] = _kernel_configs(engine, max(m.s.decode_batches), m.s, hbm)
     return out
+
+
+def _one_pass_layers(model: torch.nn.Module) -> int:
+    """Modules running engine.llama_layers' one-pass forwards (rotary embedding, RMSNorm) instead of transformers'."""
+    return sum(1 for module in model.modules() if "forward" in vars(module))
 
 
 def _kernel_configs(engine: Engine, batch: int, s: CheckSettings, hbm_gbps: float) -> dict:
@@ -185,33 +192,64 @@ def _decode_at(engine: Engine, batch: int, s: CheckSettings, weights: int, hbm_g
             timings["graph_replay"] = time_ms(graph.replay, dev, s.decode_iters)
             timings["runner_graph"] = time_ms(lambda: runner.execute(items), dev, s.decode_iters)
         timings.update(_eager_timings(runner, items, dev, s.decode_iters))
+        kernels = None
+        if dev.startswith("cuda") and batch == max(s.decode_batches):
+            try:
+                kernels = _kernel_times(runner, items)
+            except Exception as exc:  # a measurement that explains, not one that gates
+                kernels = {"error": f"{type(exc).__name__}: {exc}"}
         timings["engine_step"] = _engine_steps(engine, batch, s.decode_iters)
         kv = sum(seq.num_computed_tokens + 1 for seq in seqs) * engine.layout.bytes_per_token_per_layer * engine.layout.num_layers
         bound_ms = (weights + kv) / (hbm_gbps * 1e9) * 1e3
         fractions = {k: round(bound_ms / v["ms_median"], 3) for k, v in timings.items()}
         return {"kv_bytes_read": kv, "bound_ms": round(bound_ms, 4), "timings": timings, "fraction_of_bound": fractions,
-                "tokens_per_s_engine": round(batch / timings["engine_step"]["ms_median"] * 1e3, 1)}
+                "tokens_per_s_engine": round(batch / timings["engine_step"]["ms_median"] * 1e3, 1), "eager_step_kernels": kernels}
     finally:
         for seq in seqs:
             engine.abort(seq.request_id)
         engine.step()
 
 
+def _kernel_times(runner, items: list, top: int = 20) -> dict:
+    """One eager decode step under torch's profiler: device time per kernel name (where a graph replay's time
+    goes, since a replay hides its kernels), the launch count and the device's busy time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    saved, runner.graphs = runner.graphs, None
+    try:
+        runner.execute(items)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            runner.execute(items)
+            torch.cuda.synchronize()
+    finally:
+        runner.graphs = saved
+    per_name: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = per_name.setdefault(event.name[:90], [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.time_range.elapsed_us()
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    return {"launches": sum(n for n, _ in per_name.values()), "busy_us": round(sum(t for _, t in per_name.values()), 1),
+            "top": [{"kernel": name, "count": n, "us": round(t, 1)} for name, (n, t) in ranked[:top]]}
+
+
 def _eager_timings(runner, items: list, device: str, iters: int) -> dict:
     """The same decode step without graphs, with each decode kernel (CPU runners have one path)."""
     if not runner.batched:
         return {"runner_eager_cpu_path": time_ms(lambda: runner.execute(items), device, iters)}
-    saved, kernel = runner.graphs, runner.decode_kernel
+    saved, kernel, fn = runner.graphs, runner.decode_kernel, runner.decode_fn
     out = {}
     try:
         runner.graphs = None
         for name in ("triton", "torch"):
             if name == "triton" and kernel != "triton":
                 continue
-            runner.decode_kernel = name
+            runner.decode_kernel, runner.decode_fn = name, fn if name == kernel else paged_decode.KERNELS[name]
             out[f"runner_eager_{name}"] = time_ms(lambda: runner.execute(items), device, iters)
     finally:
-        runner.graphs, runner.decode_kernel = saved, kernel
+        runner.graphs, runner.decode_kernel, runner.decode_fn = saved, kernel, fn
     return out
 
 

@@ -196,6 +196,8 @@ def test_captured_graphs_match_hf_on_cuda(prompts):
     loaded = LoadedModel(model=model, tokenizer=None, path="tiny-llama", dtype=torch.float32)
     engine = make_engine(loaded, device="cuda", cuda_graph_max_batch=8)
     assert engine.runner.graphs is not None, "no CUDA graphs on a CUDA device"
+    assert "tile" in engine.runner.decode_tuning, engine.runner.decode_tuning  # the triton kernel was timed, not defaulted
+    assert sum("forward" in vars(m) for m in model.modules()) == 3 * 2 + 1  # triton rotary + RMSNorm forwards installed
     assert _run(engine, prompts) == reference
     assert engine.runner.graphs.steps > 10
     assert_no_leaked_blocks(engine)

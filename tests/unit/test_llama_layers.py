@@ -78,7 +78,7 @@ def test_installed_model_gives_the_same_logits(dtype, demo_prompt_ids):
     ids = torch.tensor([demo_prompt_ids[0]])
     with torch.inference_mode():
         before = model(input_ids=ids).logits
-        assert llama_layers.install(model) == 3 * model.config.num_hidden_layers + 1  # attention, two norms per layer, the final norm
+        assert llama_layers.install(model, kernels.load()) == 3 * model.config.num_hidden_layers + 1  # attention, two norms per layer, the final norm
         after = model(input_ids=ids).logits
     assert torch.equal(before, after)
 
@@ -90,5 +90,5 @@ def test_only_llama_layers_take_them():
             self.proj = nn.Linear(4, 4)
 
     model = Other()
-    assert llama_layers.install(model) == 0
+    assert llama_layers.install(model, kernels.load()) == 0
     assert "forward" not in vars(model)
