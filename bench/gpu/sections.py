@@ -254,16 +254,40 @@ def _eager_timings(runner, items: list, device: str, iters: int) -> dict:
 
 
 def _engine_steps(engine: Engine, batch: int, iters: int) -> dict:
-    """Full `Engine.step()` (schedule, inputs, model, sample, bookkeeping): every step must decode the batch."""
+    """Full `Engine.step()` (schedule, inputs, model, sample, bookkeeping): every step must decode the batch.
+    `phases_ms` splits the mean step by wall clock, no sync added: `schedule`, `execute` (the runner's host
+    time: on CUDA it launches and returns), `sample` (waits for the device, then reads the tokens) and
+    `rest` (the engine's bookkeeping)."""
+    phases = {"schedule": 0.0, "execute": 0.0, "sample": 0.0}
+    wrapped = {"schedule": (engine.scheduler, "schedule"), "execute": (engine.runner, "execute"), "sample": (engine.sampler, "sample")}
+
+    def timing(name, fn):
+        def timed(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name] += time.perf_counter() - t0
+        return timed
+
+    for name, (owner, attr) in wrapped.items():
+        setattr(owner, attr, timing(name, getattr(owner, attr)))
     times = []
-    for _ in range(iters):
-        t0 = time.perf_counter()
-        outs = engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
-        if sum(len(o.new_token_ids) for o in outs) != batch:
-            raise RuntimeError("a timed engine step did not decode the whole batch")
+    try:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            outs = engine.step()
+            times.append((time.perf_counter() - t0) * 1e3)
+            if sum(len(o.new_token_ids) for o in outs) != batch:
+                raise RuntimeError("a timed engine step did not decode the whole batch")
+    finally:
+        for owner, attr in wrapped.values():
+            delattr(owner, attr)
     sync("cuda" if torch.cuda.is_available() else "cpu")
-    return {"ms_median": round(statistics.median(times), 4), "ms_min": round(min(times), 4), "iters": iters}
+    mean = statistics.mean(times)
+    split = {name: round(total / iters * 1e3, 4) for name, total in phases.items()}
+    split["rest"] = round(mean - sum(split.values()), 4)
+    return {"ms_median": round(statistics.median(times), 4), "ms_min": round(min(times), 4), "iters": iters, "phases_ms": split}
 
 
 # ---- (4) KV between two processes ----------------------------------------------------------------
