@@ -88,12 +88,27 @@ class _CommonRequest(_Strict):
     """Scheduling priority: higher is served first (0 when unset)."""
 
 
+def _one_prompt(schema: dict) -> None:
+    """The schema of `prompt` states what `prepare` serves: one non-empty prompt (a string, one string in a list,
+    token ids, or one list of token ids), not the batch of prompts OpenAI's type allows."""
+    for option in schema["anyOf"]:
+        if option["type"] == "string":
+            option["minLength"] = 1
+            continue
+        option["minItems"] = 1
+        items = option["items"]
+        if items["type"] == "string":
+            option["maxItems"], items["minLength"] = 1, 1
+        elif items["type"] == "array":
+            option["maxItems"], items["minItems"] = 1, 1
+
+
 class CompletionRequest(_CommonRequest):
-    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]] = Field(json_schema_extra=_one_prompt)
     logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
     echo: bool | None = _documented(False, enum=[False, None])
     best_of: int | None = _documented(minimum=1, maximum=1)
-    suffix: str | None = None
+    suffix: str | None = _documented(maxLength=0)
 
 
 class ContentPart(_Strict):

@@ -108,6 +108,20 @@ def test_bad_requests_name_the_field(schema, body, param):
         assert error.message.startswith(param + ":")
 
 
+@pytest.mark.parametrize("body", [
+    {"prompt": ""}, {"prompt": []}, {"prompt": ["a", "b"]}, {"prompt": [""]}, {"prompt": [[1], [2]]}, {"prompt": [[]]},
+    {"prompt": "x", "suffix": "y"},
+])
+def test_the_schema_refuses_what_prepare_refuses(body):
+    """A schema-driven client (or fuzzer) that follows /openapi.json sends what is served: each body here is
+    refused by `prepare` and by the schema alike."""
+    import jsonschema
+
+    error_of(CompletionRequest, body)
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(body, CompletionRequest.model_json_schema())
+
+
 def test_logits_controls_reach_the_router_request():
     chat = parsed(ChatCompletionRequest, messages=[{"role": "user", "content": "x"}], presence_penalty=1,
                   frequency_penalty=-0.5, logit_bias={"5": 2, "17": -100.0}, repetition_penalty=1.2, min_tokens=3,
