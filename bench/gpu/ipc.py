@@ -11,6 +11,8 @@ On CPU the same code measures shared memory between processes (what the CPU test
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 
 from bench.gpu.device import time_ms
@@ -22,7 +24,7 @@ def _timed(fn, device: str, iters: int) -> tuple[float, float]:
     return t["ms_min"] / 1e3, t["ms_median"] / 1e3
 
 
-def _child(inbox, outbox, block_ids: list[int], iters: int) -> None:
+def _copy_child(inbox, outbox, block_ids: list[int], iters: int) -> None:
     try:
         pool = inbox.get(timeout=120)  # [num_blocks, block_numel]: mapped from the parent
         device = str(pool.device)
@@ -42,24 +44,35 @@ def _child(inbox, outbox, block_ids: list[int], iters: int) -> None:
         outbox.put({"error": f"{type(exc).__name__}: {exc}"})
 
 
-def ipc_copy(device: str, num_blocks: int, block_numel: int, dtype: torch.dtype, iters: int = 10, timeout: float = 120) -> dict:
-    """Child process copies `num_blocks // 2` of the parent's blocks (every other block for `gather`)."""
+@contextmanager
+def _child(target, *args):
+    """A spawned process running `target(inbox, outbox, *args)`: yields its two queues; joined on exit (killed if
+    it hangs)."""
     ctx = torch.multiprocessing.get_context("spawn")
-    pool = torch.randn(num_blocks, block_numel, device=device).to(dtype)
-    block_ids = list(range(0, num_blocks, 2))
     inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_child, args=(inbox, outbox, block_ids, iters), daemon=True)
+    proc = ctx.Process(target=target, args=(inbox, outbox, *args), daemon=True)
     proc.start()
     try:
-        inbox.put(pool)
-        result = outbox.get(timeout=timeout)
+        yield inbox, outbox
     finally:
         proc.join(timeout=20)
         if proc.is_alive():
             proc.kill()
+
+
+def _answer(outbox, timeout: float) -> dict:
+    result = outbox.get(timeout=timeout)
     if "error" in result:
         raise RuntimeError(f"child: {result['error']}")
     return result
+
+
+def ipc_copy(device: str, num_blocks: int, block_numel: int, dtype: torch.dtype, iters: int = 10, timeout: float = 120) -> dict:
+    """Child process copies `num_blocks // 2` of the parent's blocks (every other block for `gather`)."""
+    pool = torch.randn(num_blocks, block_numel, device=device).to(dtype)
+    with _child(_copy_child, list(range(0, num_blocks, 2)), iters) as (inbox, outbox):
+        inbox.put(pool)
+        return _answer(outbox, timeout)
 
 
 def host_staged(device: str, nbytes: int, iters: int = 10) -> dict:
@@ -95,25 +108,15 @@ def ipc_event_order(device: str, numel: int = 1 << 26, sleep_cycles: int = 200_0
     processes on one device needs. The copy sees the written bytes only if the wait orders it."""
     if not device.startswith("cuda"):
         raise RuntimeError("interprocess events need CUDA")
-    ctx = torch.multiprocessing.get_context("spawn")
     pool = torch.zeros(numel, dtype=torch.uint8, device=device)
     event = torch.cuda.Event(interprocess=True)
-    inbox, outbox = ctx.Queue(), ctx.Queue()
-    proc = ctx.Process(target=_event_child, args=(inbox, outbox), daemon=True)
-    proc.start()
-    try:
+    with _child(_event_child) as (inbox, outbox):
         inbox.put((pool, event.ipc_handle()))
         torch.cuda.synchronize()
         torch.cuda._sleep(sleep_cycles)
         pool.fill_(7)
         event.record()
         inbox.put("recorded")
-        result = outbox.get(timeout=timeout)
+        result = _answer(outbox, timeout)
         torch.cuda.synchronize()
-    finally:
-        proc.join(timeout=20)
-        if proc.is_alive():
-            proc.kill()
-    if "error" in result:
-        raise RuntimeError(f"child: {result['error']}")
     return {"bytes": numel, **result}
