@@ -9,8 +9,9 @@ Lifecycle: the ModelRunner calls `install(model)` once, on a CPU. For each weigh
 float32 linear layers it measures up to how many rows the kernel beats `torch.nn.functional.linear` on
 this machine (`crossovers`: 0 where it never does; nothing when the kernels are not built), timing the
 layers in the model's order so that every weight comes from memory as in a forward (a small layer whose
-weight sits in cache favours torch's GEMM, one read from memory favours the kernel: on an AMD EPYC the
-576x576 projections cross over at ~12 rows, the 49152x576 LM head at ~32). It then turns each such
+weight sits in cache favours torch's GEMM, one read from memory favours the kernel: on an AMD EPYC with
+AVX2 the 576x576 projections crossed over at ~12 rows, the 49152x576 LM head at ~32; on a Zen 4 EPYC, one
+thread, at 32 and 64 rows). It then turns each such
 `nn.Linear` into a `FewRowsLinear` (the same module: parameters, hooks and state dict unchanged) that
 sends inputs of at most its shape's crossover rows to the kernel and the rest to torch. `crossovers` also
 decides, the same way, how many rows engine.one_row_linear's bf16 layers take to their kernel (`_kernel`
