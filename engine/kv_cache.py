@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from common.engine_config import EngineConfig
+from engine import host_memory
 
 
 @dataclass(frozen=True)
@@ -48,8 +49,15 @@ class KVCache:
         self.num_blocks = num_blocks
         self.scratch_block = num_blocks
         shape = (num_blocks + 1, layout.block_size, layout.num_kv_heads, layout.head_dim)
-        self.key_caches = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
-        self.value_caches = [torch.zeros(shape, dtype=layout.dtype, device=device) for _ in range(layout.num_layers)]
+        self.key_caches = [self._zeros(shape, layout.dtype, device) for _ in range(layout.num_layers)]
+        self.value_caches = [self._zeros(shape, layout.dtype, device) for _ in range(layout.num_layers)]
+
+    @staticmethod
+    def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+        """On a CPU on huge pages (engine.host_memory): a decode step reads the live requests' blocks all over the pool."""
+        if torch.device(device).type == "cpu":
+            return host_memory.zeros(shape, dtype)
+        return torch.zeros(shape, dtype=dtype, device=device)
 
     @staticmethod
     def blocks_for_budget(layout: KVLayout, budget_bytes: int) -> int:
