@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import kernels, small_matmul
+from engine import host_memory, kernels, small_matmul
 from engine.step import StepItem
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ def install(model: nn.Module) -> LoneRows | None:
     lone_rows = next((m.lone_rows for m in model.modules() if type(m) is OneRowLinear), None) or LoneRows()
     verdicts: dict[tuple[int, int], Verdict] = {}
     for layer in [m for m in model.modules() if type(m) in (nn.Linear, OneRowLinear) and _eligible(m)]:
-        packed = layer.packed if type(layer) is OneRowLinear else kernel.pack_dim_pairs(layer.weight.detach())
+        packed = layer.packed if type(layer) is OneRowLinear else host_memory.huge_copy(kernel.pack_dim_pairs(layer.weight.detach()))
         layer.__class__ = nn.Linear
         shape = tuple(layer.weight.shape)
         if shape not in verdicts:
