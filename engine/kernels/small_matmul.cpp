@@ -5,9 +5,9 @@
 // (an AMD EPYC with AVX2: a third of it at 2 to 8 rows, while one row streams at full rate). Here every
 // weight row is read from memory once for all rows of x: the weight is walked kWeightRows rows at a time,
 // and each such block in tiles of kTileDims dims that stay in L1 while the rows of x take their turns,
-// kXRows rows of x at a time, each accumulating kWeightRows dot products in registers; one transposing
-// sum per (x rows, weight rows) pair of groups turns the accumulators into outputs. Tasks split the
-// weight's rows (at::parallel_for). engine.small_matmul decides when this beats torch's GEMM.
+// kXRows rows of x at a time, each accumulating kWeightRows dot products in registers; transposing sums
+// (kLanes accumulators each) turn a group's accumulators into outputs. Tasks split the weight's rows
+// (at::parallel_for). engine.small_matmul decides when this beats torch's GEMM.
 
 #include "kernels.h"
 #include "vector.h"
@@ -27,11 +27,13 @@ constexpr int64_t kMaxRows = 64;  // rows of x whose accumulators one pass over 
 
 inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p); }
 
-// acc[j][i] += x[j, k0:k1] * w[i, k0:k1] lane by lane, for R rows of x and the block's weight rows; `Ahead`
-// also asks, per line of the weight it reads, for the same line of the next block of weight rows.
-// The accumulators are a local copy of `sums`: stored in the caller's array, every multiply-add would go back
-// to memory (the compiler cannot tell that x and w do not point into it), a store per multiply-add that held
-// the kernel to a third of the core's rate (an AMD EPYC, Zen 4: 35 -> 100 GFLOP/s).
+// sums[j][i] += x[j, k0:k1] * w[i, k0:k1] lane by lane, for R rows of x and the block's weight rows; `Ahead`
+// also asks, per line of the weight it reads, for the same line of the next block of weight rows. The sums
+// are added up in local registers: multiply-adds straight into the caller's array were each stored back to
+// memory (the compiler cannot tell that x and w do not point into it). Each step loads the R rows' vectors
+// once and streams the weight rows past them. Measured on an AMD EPYC (Zen 4), one thread, against the
+// kernel with both faults: 8 rows on a weight in L2 41 -> 65 GFLOP/s; one pass over SmolLM2-135M's float32
+// layers 4 rows 30 -> 24 ms, 8 rows 63 -> 39 ms, 16 rows 94 -> 68 ms (torch's GEMM: 63, 73, 94 ms).
 template <int R, bool Ahead>
 inline void accumulate(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, vf (&sums)[R][kWeightRows]) {
   constexpr int64_t kLineFloats = 64 / sizeof(float);
