@@ -31,9 +31,10 @@ inline vf load(const float* p) { return *reinterpret_cast<const vf_unaligned*>(p
 // also asks, per line of the weight it reads, for the same line of the next block of weight rows. The sums
 // are added up in local registers: multiply-adds straight into the caller's array were each stored back to
 // memory (the compiler cannot tell that x and w do not point into it). Each step loads the R rows' vectors
-// once and streams the weight rows past them. Measured on an AMD EPYC (Zen 4), one thread, against the
-// kernel with both faults: 8 rows on a weight in L2 41 -> 65 GFLOP/s; one pass over SmolLM2-135M's float32
-// layers 4 rows 30 -> 24 ms, 8 rows 63 -> 39 ms, 16 rows 94 -> 68 ms (torch's GEMM: 63, 73, 94 ms).
+// once and streams the weight rows past them. Measured on an AMD EPYC (Zen 4), one thread, one pass over
+// SmolLM2-135M's float32 layers, against the kernel before (its sums in the caller's array, x reloaded per
+// weight row, 4 x 4 blocks, nothing asked for ahead above 4 rows): 4 rows 30 -> 24 ms, 8 rows 63 -> 39 ms,
+// 16 rows 94 -> 68 ms (torch's GEMM: 63, 73, 94 ms).
 template <int R, bool Ahead>
 inline void accumulate(const float* x, int64_t K, const float* w, int64_t k0, int64_t k1, vf (&sums)[R][kWeightRows]) {
   constexpr int64_t kLineFloats = 64 / sizeof(float);
