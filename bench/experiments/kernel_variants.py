@@ -9,8 +9,8 @@ output bit, is the same either way):
                   keys ahead, small_matmul.cpp the next block of weight rows;
   with_tiles      (paged_attention.cpp) a task of few queries (a decode) dots its bf16 K tiles one at
                   a time, a prompt's tile kScoreTiles at a time;
-  weight_block    (small_matmul.cpp) an input of at most one group of rows (4 with AVX-512) reads the
-                  next block of weight rows ahead (`Ahead`), larger ones leave it to the hardware.
+  weight_block    (small_matmul.cpp) the first pass over each tile of a block of weight rows requests
+                  the same lines of the next block (`Ahead`), instead of leaving it to the hardware.
 Two more variants ask how far ahead of its reads paged_attention.cpp should request a row's K/V rows
 (kKeysAhead, 32 keys): 16 and 64 keys. (Before those requests were spread over the arithmetic, a whole pool
 block was requested at a time, 1 block ahead; 2 and 4 blocks ahead moved no case by more than the noise on
@@ -45,7 +45,7 @@ from bench.experiments import common
 Edit = tuple[str, str, str]  # (file of engine/kernels, text, its replacement)
 PREFETCH_INTO_L1: Edit = ("vector.h", 'asm volatile("prefetcht1 %0"', 'asm volatile("prefetcht0 %0"')
 FOUR_TILES_FOR_DECODES: Edit = ("paged_attention.cpp", "if (queries <= kFewQueries) return f(std::integral_constant<int, 1>{});", "")
-NO_WEIGHTS_AHEAD: Edit = ("small_matmul.cpp", "if (M <= kXRows)\n        weight_block<true>", "if (false)\n        weight_block<true>")
+NO_WEIGHTS_AHEAD: Edit = ("small_matmul.cpp", "if (Ahead && k % kLineFloats == 0)", "if (false)")
 KEYS_AHEAD_16: Edit = ("paged_attention.cpp", "constexpr int64_t kKeysAhead = 32;", "constexpr int64_t kKeysAhead = 16;")
 KEYS_AHEAD_64: Edit = ("paged_attention.cpp", "constexpr int64_t kKeysAhead = 32;", "constexpr int64_t kKeysAhead = 64;")
 VARIANTS: dict[str, tuple[Edit, ...]] = {
@@ -55,7 +55,7 @@ VARIANTS: dict[str, tuple[Edit, ...]] = {
     "prefetch_into_l1": (PREFETCH_INTO_L1,),
     "four_tiles_for_decodes": (FOUR_TILES_FOR_DECODES,),
     "no_weights_ahead": (NO_WEIGHTS_AHEAD,),
-    "before": (PREFETCH_INTO_L1, FOUR_TILES_FOR_DECODES, NO_WEIGHTS_AHEAD),  # the kernels up to 2154f3f
+    "before": (PREFETCH_INTO_L1, FOUR_TILES_FOR_DECODES, NO_WEIGHTS_AHEAD),  # the memory choices up to 2154f3f
 }
 HEADS, KV_HEADS, HEAD_DIM, LAYERS, POOL_BLOCKS, BLOCK_SIZE = 9, 3, 64, 30, 1841, 16
 
