@@ -4,7 +4,7 @@ A decode step streams every weight and every live request's K/V from memory. On 
 TLB miss every 4 KiB; on 2 MiB pages, one per 2 MiB. Linux backs anonymous memory with huge pages
 where it is asked to (`madvise(MADV_HUGEPAGE)`; /sys/kernel/mm/transparent_hugepage/enabled says
 `madvise` on most distributions, `always` on some), and only for pages not yet touched, so the advice
-comes between the allocation and the first write. `empty()` does that; the KV pool (engine.kv_cache)
+comes between the mapping and the first write. `empty()` does that; the KV pool (engine.kv_cache)
 and the weights (engine.linears' `align_parameters`) are allocated through it. Where the advice is
 not available (not Linux, THP disabled) the tensor is an ordinary one.
 
@@ -15,42 +15,29 @@ Measured on an AMD EPYC (Zen 4), one thread, float32: one pass over SmolLM2-135M
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import math
-import sys
+import mmap
 
 import torch
 
 HUGE_PAGE = 2 << 20
-MADV_HUGEPAGE = 14
-
-
-@functools.cache
-def _madvise():
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-    except OSError:
-        return None
-    madvise = libc.madvise
-    madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    madvise.restype = ctypes.c_int
-    return madvise
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor; from 2 MiB up it starts on a huge-page boundary and its
-    pages are advised to be huge. The tensor is a view of a slightly larger buffer, which it keeps alive."""
+    """An uninitialised contiguous CPU tensor; from 2 MiB up it lies in a fresh anonymous mapping of its own,
+    starts on a huge-page boundary and its pages are advised to be huge. Its own mapping, not the allocator's:
+    in a long-lived process malloc may hand out heap memory whose pages were touched already (4 KiB pages for
+    good). The tensor is a view of the mapping, which it keeps alive; freeing the tensor unmaps it."""
     nbytes = math.prod(shape) * dtype.itemsize
-    madvise = _madvise()
-    if nbytes < HUGE_PAGE or madvise is None:
+    if nbytes < HUGE_PAGE or not hasattr(mmap, "MADV_HUGEPAGE"):
         return torch.empty(shape, dtype=dtype)
-    raw = torch.empty(nbytes + HUGE_PAGE, dtype=torch.uint8)
+    region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # shared memory is shmem's THP setting
+    try:
+        region.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # THP not built into this kernel: ordinary pages, the same tensor
+        pass
+    raw = torch.frombuffer(region, dtype=torch.uint8)
     start = -raw.data_ptr() % HUGE_PAGE
-    madvise(raw.data_ptr() + start, nbytes, MADV_HUGEPAGE)  # best effort: the tensor is the same either way
     return raw[start:start + nbytes].view(dtype).view(shape)
 
 
