@@ -4,9 +4,10 @@ A decode step streams every weight and every live request's K/V from memory. On 
 TLB miss every 4 KiB; on 2 MiB pages, one per 2 MiB. Linux backs anonymous memory with huge pages
 where it is asked to (`madvise(MADV_HUGEPAGE)`; /sys/kernel/mm/transparent_hugepage/enabled says
 `madvise` on most distributions, `always` on some), and only for pages not yet touched, so the advice
-comes between the mapping and the first write. `empty()` does that; the KV pool (engine.kv_cache)
-and the weights (engine.linears' `align_parameters`) are allocated through it. Where the advice is
-not available (not Linux, THP disabled) the tensor is an ordinary one.
+comes between the mapping and the first write. `empty()` does that; the KV pool (engine.kv_cache),
+the weights (engine.linears' `align_parameters`) and the packed bf16 lone-row weights
+(engine.one_row_linear) are allocated through it. Where the advice is not available (not Linux, THP
+disabled) the pages are ordinary ones.
 
 Measured on an AMD EPYC (Zen 4), one thread, float32: one pass over SmolLM2-135M's linear layers for
 4 rows 22.8-23.7 -> 21.6-22.5 ms, for 8 rows 37.9-38.8 -> 36.6-37.6 ms; decode attention at batch 64
