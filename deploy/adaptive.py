@@ -29,7 +29,11 @@ disaggregation does not pay with the threshold at its max, a prefill worker beco
 and so does the only prefill worker when it is saturated and pressed with no free core for a second one (its queue
 grows while the decode worker's core has time; colocated, every core prefills). With no prefill worker, TTFT over its
 SLO is the prefill pool's (every prompt prefilled locally), so a decode worker that can be spared comes back as a
-prefill worker, unless those workers are saturated on held cores (the split would only move the same time).
+prefill worker, unless those workers are saturated on held cores (the split would only move the same time). With
+no prefill worker and decode over its ITL SLO, a decode worker becomes prefill when the router's estimate of the split,
+from the decode workers' prompt steps (router.verdict.judge_colocated), keeps ITL and TTFT within their SLOs: the
+local prompts stretch every stream, and one worker could run them all (the DistServe regime: prompts among streams
+read as they come, under a tight ITL).
 
 Where the pressures come from: the prefill pool's TTFT and prefill_queue share are router-wide, so
 they count only for the share of requests that went through a prefill worker (`local_share` went
@@ -53,6 +57,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from deploy.autoscaler import LOAD_SIGNALS, PoolAutoscaler, PoolSignals
+from router.verdict import SplitEstimate
 
 if TYPE_CHECKING:
     from common.config import AutoscalerConfig, PoolsConfig
@@ -63,6 +68,9 @@ DECODE_ROOM = 0.8
 requests against their thresholds) stays below this: the engine's busy fraction says nothing (it steps whenever it
 has a stream), its latency against the SLO does."""
 WAITING_STAGE = {"prefill": "prefill_queue", "decode": "decode_admission"}
+SPLIT_ROOM = 0.8
+"""Colocated workers split only if the split's estimated ITL and mean TTFT stay below this share of their SLOs (the
+estimates are means and assume a flat decode step; the SLOs are quantiles)."""
 
 
 @dataclass(frozen=True)
@@ -87,6 +95,8 @@ class Snapshot:
     """The share of the window's requests that prefilled on their decode worker (0..1)."""
     free_cpus: float | None = None
     """Cores the router and the workers do not hold (the controller's count); None: unknown, no limit."""
+    split: SplitEstimate | None = None
+    """With no prefill worker: the router's estimate of a split's ITL, TTFT and prefill load (router.verdict)."""
 
     @classmethod
     def from_router(cls, now: float, prefill: PoolSignals, decode: PoolSignals, summary: dict, pool_busy: bool = False,
@@ -97,7 +107,7 @@ class Snapshot:
         return cls(now, prefill, decode, summary.get("local_prefill_threshold", 0), verdict.get("verdict", "no data"),
                    verdict.get("margin", 0.0), {s: f["share"] for s, f in (cp.get("stages") or {}).items()}, pool_busy,
                    per_worker_busy(cp.get("busy") or {}), cp.get("local_prefill", 0) / cp["requests"] if cp.get("requests") else 0.0,
-                   free_cpus)
+                   free_cpus, SplitEstimate(**verdict["split"]) if verdict.get("split") else None)
 
     def signals(self, role: str) -> PoolSignals:
         return self.prefill if role == "prefill" else self.decode
@@ -214,6 +224,8 @@ class AdaptivePolicy:
 
     def _threshold(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
         cfg, t = self.config.adaptive, s.local_prefill_threshold
+        if s.prefill.replicas == 0:
+            return None  # every prompt prefills locally whatever the threshold: the split lane's rules are the lever
         decode_hot = {k: v for k, v in pressure["decode"].items() if v > 1.0}
         if decode_hot and t > 0:
             return Candidate(("threshold", "down"), f"decode pressed ({_hot(decode_hot)}): fewer local prefills, threshold {t} -> lower",
@@ -242,7 +254,7 @@ class AdaptivePolicy:
             hot = {k: v for k, v in pressure[role].items() if v > 1.0}
             if hot and self._can_give(other, s, pressure[other]) and self._fits(role, s.signals(role).replicas + 1):
                 return Candidate(("switch", role), f"{role} pressed ({_hot(hot)}), {other} has room: a {other} worker becomes {role}", role)
-        given = self._idle_gives(s, pressure) or self._saturated_split(s, pressure)
+        given = self._idle_gives(s, pressure) or self._saturated_split(s, pressure) or self._interference_split(s, pressure)
         if given is not None:
             return given
         cfg = self.config.adaptive
@@ -291,6 +303,25 @@ class AdaptivePolicy:
             return None
         return Candidate(("switch", "decode"), f"prefill saturated ({_hot(hot)}, workers {busy:.0%} busy) with no free core for "
                          "another prefill worker: it becomes decode (colocated: every worker prefills)", "decode")
+
+    def _interference_split(self, s: Snapshot, pressure: dict[str, float]) -> Candidate | None:
+        """Colocated (no prefill worker) and decode over its ITL SLO: the local prompts stretch every stream. A decode
+        worker becomes prefill if the router's estimate of the split (`Snapshot.split`) keeps its ITL and TTFT within
+        `SPLIT_ROOM` of their SLOs with the prefill worker below `busy_high`, and the streams' KV and count fit the
+        decode workers left."""
+        est, n = s.split, s.decode.replicas
+        itl = pressure["decode"].get("itl", 0.0)
+        if (s.prefill.replicas or itl <= 1.0 or est is None or n < 2
+                or not (self._fits("prefill", 1) and self._fits("decode", n - 1))):
+            return None
+        split_itl, split_ttft = est.itl_s / self.config.decode.itl_slo_s, est.ttft_s / self.config.prefill.ttft_slo_s
+        if max(split_itl, split_ttft) >= SPLIT_ROOM or est.prefill_busy >= self.config.adaptive.busy_high:
+            return None
+        if any(pressure["decode"].get(k, 0.0) * n / (n - 1) >= 1.0 for k in ("kv_usage", "running_requests")):
+            return None
+        return Candidate(("switch", "prefill"), f"decode pressed (itl {itl:.2f}x) by local prompts; a split keeps the SLOs (estimated "
+                         f"ITL {split_itl:.2f}x, TTFT {split_ttft:.2f}x, prefill worker {est.prefill_busy:.0%} busy): a decode worker "
+                         "becomes prefill", "prefill")
 
     def _can_give(self, role: str, s: Snapshot, pressure: dict[str, float]) -> bool:
         """`role`'s pool can lose a worker: within min_replicas, and below every threshold with one fewer

@@ -83,6 +83,10 @@ class EngineStats:
     """Cumulative prompt tokens run through the model (prefix-cache hits and received KV excluded)."""
     generation_tokens: int
     """Cumulative tokens sampled (a prefill worker's first tokens included)."""
+    prompt_steps: int = 0
+    prompt_step_seconds: float = 0.0
+    """The steps among `steps` that ran prompt tokens, and their wall time: with the others' mean (decode-only
+    steps), what the prompts added to the steps they shared with decode streams (router.verdict)."""
     waiting_for_kv_blocks: int = 0
     """KV blocks reserved for requests waiting for their prompt's KV from a prefill worker (held, no stream yet)."""
     spec_proposed_tokens: int = 0
@@ -100,15 +104,20 @@ class StepCounters:
     step_seconds: float = 0.0
     prompt_tokens: int = 0
     generation_tokens: int = 0
+    prompt_steps: int = 0
+    prompt_step_seconds: float = 0.0
 
     def record(self, scheduled: list[ScheduledSeq], num_sampled: int, seconds: float) -> None:
         """One model step; call before the sequences' computed-token counts advance."""
         self.steps += 1
         self.step_seconds += seconds
         self.generation_tokens += num_sampled
-        for item in scheduled:
-            done, prompt = item.seq.num_computed_tokens, item.seq.num_prompt_tokens
-            self.prompt_tokens += max(0, min(prompt, done + item.num_tokens) - done)
+        prompt_tokens = sum(max(0, min(item.seq.num_prompt_tokens, item.seq.num_computed_tokens + item.num_tokens) - item.seq.num_computed_tokens)
+                            for item in scheduled)
+        self.prompt_tokens += prompt_tokens
+        if prompt_tokens:
+            self.prompt_steps += 1
+            self.prompt_step_seconds += seconds
 
 
 class Engine:
@@ -289,6 +298,8 @@ class Engine:
             step_seconds=self.counters.step_seconds,
             prompt_tokens=self.counters.prompt_tokens,
             generation_tokens=self.counters.generation_tokens,
+            prompt_steps=self.counters.prompt_steps,
+            prompt_step_seconds=self.counters.prompt_step_seconds,
             **self._spec_stats(),
         )
 

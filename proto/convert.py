@@ -136,6 +136,8 @@ async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining:
         generation_tokens=s.generation_tokens,
         steps=s.steps,
         step_seconds=s.step_seconds,
+        prompt_steps=s.prompt_steps,
+        prompt_step_seconds=s.prompt_step_seconds,
         spec_proposed_tokens=s.spec_proposed_tokens,
         spec_accepted_tokens=s.spec_accepted_tokens,
         spec_steps=s.spec_steps,

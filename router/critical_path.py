@@ -14,7 +14,8 @@ to e2e. `Progress.final` fills them (`close_path`); when a request's last sequen
 observes them (`pdserve_request_stage_seconds{stage}`) and `CriticalPathWindow.record` keeps the
 request for `breakdown(window_s)`, together with every worker's step-time counters from its
 heartbeats (`observe_workers`): their deltas over the window are the busy fractions the verdict
-(router.verdict) estimates the colocated cost from. Entries older than `horizon_s` are dropped.
+(router.verdict) estimates the colocated cost from, and, with no prefill worker, the decode workers'
+prompt steps it estimates a split from. Entries older than `horizon_s` are dropped.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from proto.pdserve.v1 import pdserve_pb2 as pb
-from router.verdict import PoolBusy, judge
+from router.verdict import HOP, PoolBusy, WorkerSteps, judge, judge_colocated
 
 STAGES = ("router_queue", "decode_admission", "prefill_queue", "prefill_compute", "kv_transfer", "first_token", "decode", "other")
 MEASURED = STAGES[:-1]
@@ -73,6 +74,9 @@ class StepSample:
     stamp_s: float
     """the worker's own timestamp of the stats (only its differences are used)"""
     step_seconds: float
+    steps: int = 0
+    prompt_steps: int = 0
+    prompt_step_seconds: float = 0.0
 
 
 class CriticalPathWindow:
@@ -95,22 +99,41 @@ class CriticalPathWindow:
                 continue
             samples = self.steps.setdefault(w.worker_id, deque())
             if not samples or samples[-1].stamp_s != w.stats.timestamp_s:
-                samples.append(StepSample(now, w.role, w.stats.timestamp_s, w.stats.step_seconds))
+                st = w.stats
+                samples.append(StepSample(now, w.role, st.timestamp_s, st.step_seconds, st.steps, st.prompt_steps, st.prompt_step_seconds))
             while len(samples) > 2 and samples[1].at < now - self.horizon_s:
                 samples.popleft()
         for gone in set(self.steps) - {w.worker_id for w in workers}:
             del self.steps[gone]
 
-    def busy(self, window_s: float) -> PoolBusy:
-        """Each pool's summed busy fraction over the window: step seconds run per second of the worker's clock."""
+    def _spans(self, window_s: float) -> list[tuple[StepSample, StepSample]]:
+        """Each worker's (first, last) samples over the window, where its clock moved."""
         since = self.clock() - window_s
-        fractions: dict[str, list[float]] = {"prefill": [], "decode": []}
+        spans = []
         for samples in self.steps.values():
             base = next((s for s in reversed(samples) if s.at <= since), samples[0])
-            last = samples[-1]
-            if last.stamp_s > base.stamp_s and last.role in fractions:
+            if samples[-1].stamp_s > base.stamp_s:
+                spans.append((base, samples[-1]))
+        return spans
+
+    def busy(self, window_s: float) -> PoolBusy:
+        """Each pool's summed busy fraction over the window: step seconds run per second of the worker's clock."""
+        fractions: dict[str, list[float]] = {"prefill": [], "decode": []}
+        for base, last in self._spans(window_s):
+            if last.role in fractions:
                 fractions[last.role].append(max(0.0, last.step_seconds - base.step_seconds) / (last.stamp_s - base.stamp_s))
         return PoolBusy(sum(fractions["prefill"]), sum(fractions["decode"]), len(fractions["prefill"]), len(fractions["decode"]))
+
+    def decode_steps(self, window_s: float) -> list[WorkerSteps]:
+        """Each decode worker's step counters over the window (deltas)."""
+        return [WorkerSteps(last.stamp_s - base.stamp_s, last.steps - base.steps, last.step_seconds - base.step_seconds,
+                            last.prompt_steps - base.prompt_steps, last.prompt_step_seconds - base.prompt_step_seconds)
+                for base, last in self._spans(window_s) if last.role == "decode"]
+
+    def hop_s(self) -> float | None:
+        """The mean hop (HOP's stages) of the split requests kept (`horizon_s`); None when none was split."""
+        split = [p for p in self.paths if not p.local_prefill]
+        return sum(p.stages[s] for p in split for s in HOP) / len(split) if split else None
 
     def window(self, window_s: float) -> list[RequestPath]:
         since = self.clock() - window_s
@@ -121,7 +144,10 @@ class CriticalPathWindow:
         busy fraction (`busy`: PoolBusy's fields; the adaptive controller reads it)."""
         paths = self.window(window_s)
         busy = self.busy(window_s)
-        verdict = judge([p for p in paths if not p.local_prefill], busy, in_flight(paths))
+        if busy.prefill_workers:
+            verdict = judge([p for p in paths if not p.local_prefill], busy, in_flight(paths))
+        else:  # every prompt prefilled on its decode worker: the split is the side to estimate
+            verdict = judge_colocated([p for p in paths if p.local_prefill], self.decode_steps(window_s), self.hop_s())
         report: dict = {"window_s": window_s, "requests": len(paths), "local_prefill": sum(p.local_prefill for p in paths),
                         "stages": {}, "verdict": verdict.as_dict(), "busy": dataclasses.asdict(busy)}
         if not paths:

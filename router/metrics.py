@@ -96,6 +96,7 @@ COUNTERS = (  # name (without _total), help, value from a WorkerStats
     ("pdserve_spec_steps", "Speculative decoding: engine steps that verified proposals", lambda s: s.spec_steps),
 )
 STEP_SUMMARY = "pdserve_engine_step_seconds"
+PROMPT_STEP_SUMMARY = "pdserve_engine_prompt_step_seconds"
 
 
 class WorkerEngineCollector:
@@ -121,6 +122,9 @@ class WorkerEngineCollector:
                 family.add_metric([role, worker], value(stats))
             yield family
         steps = SummaryMetricFamily(STEP_SUMMARY, "Wall time of the engine's model steps", labels=WORKER_LABELS)
+        prompt_steps = SummaryMetricFamily(PROMPT_STEP_SUMMARY, "Of those, the steps that ran prompt tokens", labels=WORKER_LABELS)
         for role, worker, stats in snapshot:
             steps.add_metric([role, worker], count_value=stats.steps, sum_value=stats.step_seconds)
+            prompt_steps.add_metric([role, worker], count_value=stats.prompt_steps, sum_value=stats.prompt_step_seconds)
         yield steps
+        yield prompt_steps

@@ -18,6 +18,22 @@ disaggregation is faster, "does not pay" when it is not; `margin` is the relativ
 (a few % is within the noise of a loaded machine), `deciding_stage` names the largest term on the
 winning side, and `reason` says it in words. A pool that would be saturated colocated
 (rho_p + rho_d >= `SATURATED`) makes disaggregation pay.
+
+`judge_colocated(paths, steps, hop_s)` answers the same question from the other side when the pool has
+no prefill worker (every prompt prefilled on its decode worker): what would a split of these workers cost? Each decode worker's step counters over the window (`WorkerSteps`) tell
+what its prompts added to the steps they shared with decode streams: the steps that ran prompt tokens
+took `prompt_seconds`; at the decode-only steps' mean they would have taken `prompt_steps * mean`;
+the rest is prompt work. With the split, one worker runs all of it (`prefill_busy`: its busy fraction;
+at `SATURATED` the split does not pay: its queue would only grow) and the decode streams no longer wait
+for it: their decode stage shrinks by the prompt work's share of the decode workers' step time. The
+split adds a queue at the one prefill worker (Poisson arrivals at that load, the measured prefill
+computes as service times: Pollaczek-Khinchine's busy * E[S^2] / (2 E[S] (1 - busy))) in place of the
+measured local queue, and the hop (`hop_s`: KV transfer, first token and decode admission, the mean
+of the split requests the router still keeps, 0 when it has none). The decode workers'
+decode-only steps are taken to cost the same with the streams of one worker more (a small-batch step
+reads the weights; its rows add little), which the controller's ITL check after the split corrects.
+The same figures give the split's ITL (the decode-only step time) and mean TTFT (`SplitEstimate`), which
+the adaptive controller holds against the SLOs: the verdict weighs mean latency, goodput is SLOs.
 """
 
 from __future__ import annotations
@@ -28,7 +44,8 @@ from dataclasses import asdict, dataclass
 SATURATED = 0.95
 
 SAVED = ("kv_transfer", "first_token", "decode_admission", "other")
-ADDED = ("decode", "prefill_compute")
+HOP = ("kv_transfer", "first_token", "decode_admission")
+"""A split request's stages that a colocated one does not have."""
 
 
 @dataclass(frozen=True)
@@ -43,6 +60,36 @@ class PoolBusy:
     @property
     def workers(self) -> int:
         return self.prefill_workers + self.decode_workers
+
+
+@dataclass(frozen=True)
+class WorkerSteps:
+    """One decode worker's step counters over the window (deltas) and the span of its clock they cover."""
+
+    span_s: float
+    steps: int
+    seconds: float
+    prompt_steps: int
+    prompt_seconds: float
+
+    @property
+    def prompt_work_s(self) -> float:
+        """What the prompts added to the steps that ran them, beyond the decode-only steps' mean."""
+        decode_steps = self.steps - self.prompt_steps
+        mean = (self.seconds - self.prompt_seconds) / decode_steps if decode_steps > 0 else 0.0
+        return max(0.0, self.prompt_seconds - self.prompt_steps * mean)
+
+
+@dataclass(frozen=True)
+class SplitEstimate:
+    """What a split of colocated workers would give, per request (judge_colocated): the controller holds it against the SLOs."""
+
+    itl_s: float
+    """The decode workers' decode-only step time: a stream's ITL once no prompt shares its steps."""
+    ttft_s: float
+    """Mean TTFT through one prefill worker: router queue, prefill compute, its queue at `prefill_busy`, the hop."""
+    prefill_busy: float
+    """That worker's busy fraction: the prompts' work on the decode workers, summed."""
 
 
 @dataclass(frozen=True)
@@ -64,6 +111,10 @@ class Verdict:
     prefill_busy: float = 0.0
     decode_busy: float = 0.0
     in_flight: float = 0.0
+    estimated: str = "colocated"
+    """The side that is estimated from the measured one: "colocated" (judge) or "disaggregated" (judge_colocated)."""
+    split: SplitEstimate | None = None
+    """judge_colocated's estimate of the split's ITL and TTFT (None where the prompts would saturate one worker)."""
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -93,20 +144,60 @@ def judge(paths: list, busy: PoolBusy, in_flight: float) -> Verdict:
     return _weigh(Verdict("", "", colocated_e2e_s=colocated, added_s=added, **common))
 
 
+def judge_colocated(paths: list, steps: list[WorkerSteps], hop_s: float | None) -> Verdict:
+    """`paths`: RequestPath-like objects of requests that prefilled on their decode worker; `steps`: each decode
+    worker's counters over the window; `hop_s`: the split's measured hop per request (None: never measured, 0)."""
+    steps = [w for w in steps if w.span_s > 0]
+    if not paths:
+        return Verdict("no data", "no request prefilled on its decode worker in the window")
+    if len(steps) < 2:
+        return Verdict("no data", "fewer than two decode workers with step times in the window: none to split off",
+                       requests=len(paths))
+    n = len(paths)
+    prompt_work = sum(w.prompt_work_s for w in steps)
+    load = sum(w.prompt_work_s / w.span_s for w in steps)
+    decode_busy = sum((w.seconds - w.prompt_work_s) / w.span_s for w in steps) / len(steps)
+    decode_steps = sum(w.steps - w.prompt_steps for w in steps)
+    decode_step_s = sum(w.seconds - w.prompt_seconds for w in steps) / decode_steps if decode_steps else 0.0
+    share = prompt_work / max(sum(w.seconds for w in steps), 1e-9)
+    colocated = sum(p.e2e_s for p in paths) / n
+    common = dict(requests=n, colocated_e2e_s=colocated, prefill_busy=load, decode_busy=decode_busy, in_flight=0.0,
+                  estimated="disaggregated")
+    if load >= SATURATED:
+        return Verdict("does not pay", f"one prefill worker would be saturated: the prompts took {load:.0%} of a worker's time "
+                       f"over {n} requests; colocated, every worker prefills", deciding_stage="prefill_queue", margin=-1.0, **common)
+    mean = {s: sum(p.stages.get(s, 0.0) for p in paths) / n for s in ("router_queue", "prefill_queue", "prefill_compute", "decode")}
+    second_moment = sum(p.stages.get("prefill_compute", 0.0) ** 2 for p in paths) / n
+    queue = load * second_moment / (2 * mean["prefill_compute"] * (1 - load)) if mean["prefill_compute"] > 0 else 0.0
+    hop = hop_s or 0.0
+    saved = {"kv_transfer": hop, "prefill_queue": max(0.0, queue - mean["prefill_queue"])}
+    added = {"decode": mean["decode"] * share, "prefill_queue": max(0.0, mean["prefill_queue"] - queue)}
+    disaggregated = colocated - added["decode"] + queue - mean["prefill_queue"] + hop
+    note = "" if hop_s is not None else " (no split measured yet: the hop taken as 0)"
+    split = SplitEstimate(decode_step_s, mean["router_queue"] + queue + mean["prefill_compute"] + hop, load)
+    return _weigh(Verdict("", note, disaggregated_e2e_s=disaggregated, saved_s=saved, added_s=added, split=split, **common))
+
+
 def _weigh(v: Verdict) -> Verdict:
-    """The verdict, deciding stage and reason for figures already estimated."""
+    """The verdict, deciding stage and reason for figures already estimated (`v.reason`: a note to append)."""
     margin = (v.colocated_e2e_s - v.disaggregated_e2e_s) / v.disaggregated_e2e_s if v.disaggregated_e2e_s > 0 else 0.0
     saved, added = v.saved_s or {}, v.added_s or {}
-    figures = (f"disaggregated {v.disaggregated_e2e_s * 1e3:.0f} ms vs colocated (estimated) {v.colocated_e2e_s * 1e3:.0f} ms "
-               f"per request ({margin:+.1%}) over {v.requests} requests")
-    costs = ", ".join(f"{s} {saved[s] * 1e3:.1f} ms" for s in SAVED)
-    interference = (f"ITL stretched by prefill {added['decode'] * 1e3:.1f} ms, prefill stretched by decode "
-                    f"{added['prefill_compute'] * 1e3:.1f} ms; each worker {v.prefill_busy:.0%} prefill + {v.decode_busy:.0%} "
-                    f"decode busy, {v.in_flight:.1f} requests in flight")
+    measured, estimate = ("disaggregated", "colocated (estimated)") if v.estimated == "colocated" else ("colocated", "split (estimated)")
+    first, second = (v.disaggregated_e2e_s, v.colocated_e2e_s) if v.estimated == "colocated" else (v.colocated_e2e_s, v.disaggregated_e2e_s)
+    figures = f"{measured} {first * 1e3:.0f} ms vs {estimate} {second * 1e3:.0f} ms per request ({margin:+.1%}) over {v.requests} requests"
+    costs = ", ".join(f"{s} {t * 1e3:.1f} ms" for s, t in saved.items())
+    if v.estimated == "colocated":
+        interference = (f"ITL stretched by prefill {added['decode'] * 1e3:.1f} ms, prefill stretched by decode "
+                        f"{added['prefill_compute'] * 1e3:.1f} ms; each worker {v.prefill_busy:.0%} prefill + {v.decode_busy:.0%} "
+                        f"decode busy, {v.in_flight:.1f} requests in flight")
+    else:
+        interference = (f"decode stretched by the local prompts {added['decode'] * 1e3:.1f} ms, local prefill queue "
+                        f"{added['prefill_queue'] * 1e3:.1f} ms beyond a prefill worker's; the prompts take {v.prefill_busy:.0%} "
+                        f"of one worker, decode {v.decode_busy:.0%} of each")
     if margin > 0:
-        verdict, stage = "pays", max(ADDED, key=added.__getitem__)
+        verdict, stage = "pays", max(added, key=added.__getitem__)
         why = f"{figures}: colocation's interference ({interference}) would cost more than the split does ({costs})"
     else:
-        verdict, stage = "does not pay", max(SAVED, key=saved.__getitem__)
+        verdict, stage = "does not pay", max(saved, key=saved.__getitem__)
         why = f"{figures}: the split's own cost ({costs}) exceeds the interference it avoids ({interference})"
-    return dataclasses.replace(v, verdict=verdict, reason=f"{why}; deciding stage: {stage}", deciding_stage=stage, margin=margin)
+    return dataclasses.replace(v, verdict=verdict, reason=f"{why}; deciding stage: {stage}{v.reason}", deciding_stage=stage, margin=margin)

@@ -2,12 +2,17 @@
 
     python -m bench.experiments.adaptive_trace [--configs colocated 1p1d 1p2d adaptive] [--phase-s 75] [--quick]
 
-The trace (seeded, the same for every config): three phases of `--phase-s` seconds, Poisson arrivals,
-every prompt distinct (no prefix-cache hits):
-  prompt_heavy  long prompts, short answers
-  decode_heavy  short prompts, long answers
+The trace (seeded, the same for every config): four phases of `--phase-s` seconds (`--phases` picks and
+orders them), Poisson arrivals, every prompt distinct (no prefix-cache hits):
+  prompt_heavy  long prompts, short answers (summaries)
+  decode_heavy  short prompts, long answers (chats)
   mixed         half of each kind, interleaved
-Lengths and rates: PHASES, scaled by --scale (lengths) and --load (rates).
+  long_both     long prompts and long answers (chats over a long context)
+Lengths and rates: PHASES, scaled by --scale (lengths) and --load (rates). Each request kind has its
+SLOs: TTFT <= --slo-ttft for all; TPOT <= --slo-tpot-interactive for the kinds read as they stream
+(chats: the tight one, and the controller's ITL SLO), <= --slo-tpot for the others (summaries are read
+when done). Interference is what tells the shapes apart: colocated, every local prompt's chunks stall
+the streams on its worker; split, one core prefills every prompt.
 
 Deployment: every config is the real Ray deployment, `pdserve serve -c CONFIG` (deploy.launcher: the
 controller actor places the router and one actor per worker), same engine config (one torch thread
@@ -75,12 +80,17 @@ ROLES = ("prefill", "decode")
 
 @dataclass(frozen=True)
 class Kind:
+    name: str
     prompt: tuple[int, int]
     output: tuple[int, int]
+    interactive: bool
+    """Read as it streams (a chat): held to the tight TPOT SLO (--slo-tpot-interactive); otherwise --slo-tpot."""
 
 
-LONG_PROMPT = Kind((384, 768), (4, 16))
-LONG_ANSWER = Kind((16, 64), (96, 192))
+LONG_PROMPT = Kind("summary", (384, 768), (4, 16), interactive=False)
+LONG_ANSWER = Kind("chat", (16, 64), (96, 192), interactive=True)
+LONG_BOTH = Kind("long_chat", (1024, 1536), (96, 160), interactive=True)
+KINDS = (LONG_PROMPT, LONG_ANSWER, LONG_BOTH)
 
 
 @dataclass(frozen=True)
@@ -96,6 +106,7 @@ PHASES = (
     Phase("prompt_heavy", 1.3, ((LONG_PROMPT, 1.0),)),
     Phase("decode_heavy", 1.2, ((LONG_ANSWER, 1.0),)),
     Phase("mixed", 1.0, ((LONG_PROMPT, 0.5), (LONG_ANSWER, 0.5))),
+    Phase("long_both", 0.2, ((LONG_BOTH, 1.0),)),
 )
 
 CONFIGS = {
@@ -119,11 +130,13 @@ deployment competes as the plain processes of the other experiments do."""
 
 
 # ---- the trace ---------------------------------------------------------------------------------
-def build_trace(phases: tuple[Phase, ...], phase_s: float, scale: float, load: float, seed: int) -> tuple[list[RequestSpec], list[str]]:
-    """The seeded trace: RequestSpecs in arrival order and each one's phase name."""
+def build_trace(phases: tuple[Phase, ...], phase_s: float, scale: float, load: float,
+                seed: int) -> tuple[list[RequestSpec], list[str], list[Kind]]:
+    """The seeded trace: RequestSpecs in arrival order, each one's phase name and its kind."""
     rng = np.random.default_rng(seed)
     specs: list[RequestSpec] = []
     phase_of: list[str] = []
+    kind_of: list[Kind] = []
     for p, phase in enumerate(phases):
         t = p * phase_s + rng.exponential(1 / (phase.rate * load))
         weights = np.array([w for _, w in phase.kinds])
@@ -133,8 +146,14 @@ def build_trace(phases: tuple[Phase, ...], phase_s: float, scale: float, load: f
             n_out = max(2, int(rng.integers(kind.output[0], kind.output[1] + 1) * scale))
             specs.append(RequestSpec(len(specs), n_in, n_out, float(t), prompt_ids=random_ids(rng, n_in, DEFAULT_VOCAB)))
             phase_of.append(phase.name)
+            kind_of.append(kind)
             t += rng.exponential(1 / (phase.rate * load))
-    return specs, phase_of
+    return specs, phase_of, kind_of
+
+
+def slos_of(kind: Kind, args: argparse.Namespace) -> dict[str, float]:
+    """A request's SLOs (ms) by its kind."""
+    return {"ttft": args.slo_ttft, "tpot": args.slo_tpot_interactive if kind.interactive else args.slo_tpot}
 
 
 def trace_id(specs: list[RequestSpec]) -> str:
@@ -159,7 +178,7 @@ def deploy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
     }
     config["autoscaler"] = {"enabled": shape["adaptive"], "interval_s": args.interval, "upscale_cooldown_s": 20,
                             "downscale_cooldown_s": 60, "latency_quantile": 0.9,
-                            "prefill": {"ttft_slo_s": args.slo_ttft / 1000}, "decode": {"itl_slo_s": args.slo_tpot / 1000},
+                            "prefill": {"ttft_slo_s": args.slo_ttft / 1000}, "decode": {"itl_slo_s": args.slo_tpot_interactive / 1000},
                             "adaptive": {"mode": "adaptive" if shape["adaptive"] else "pools", **ADAPTIVE}}
     return config
 
@@ -312,7 +331,7 @@ def settle(deployment: Deployment, timeout: float = 30.0) -> dict:
         time.sleep(1.0)
 
 
-def run_config(name: str, specs: list[RequestSpec], phase_of: list[str], args: argparse.Namespace) -> dict[str, Any]:
+def run_config(name: str, specs: list[RequestSpec], phase_of: list[str], kind_of: list[Kind], args: argparse.Namespace) -> dict[str, Any]:
     config = deploy_config(name, args)
     log_dir = Path(args.log_dir) / name
     with Deployment(name, config, log_dir) as deployment, EventPoller(deployment) as poller:
@@ -322,7 +341,9 @@ def run_config(name: str, specs: list[RequestSpec], phase_of: list[str], args: a
         cpu_share = cpu.stop()
         loadavg_after = common.loadavg()
         status = settle(deployment)
-    slos = {"ttft": args.slo_ttft, "tpot": args.slo_tpot}
+    for r in records:
+        r["kind"], r["slos_ms"] = kind_of[r["index"]].name, slos_of(kind_of[r["index"]], args)
+    slos = {"ttft": args.slo_ttft, "tpot": args.slo_tpot, "tpot_interactive": args.slo_tpot_interactive}
     return {
         "config": name, "shape": CONFIGS[name], "deploy_config": config, "slos_ms": slos,
         "trace": {"id": trace_id(specs), "requests": len(specs), "phase_s": args.phase_s},
@@ -473,6 +494,7 @@ def good_request(r: dict, slos: dict[str, float]) -> bool:
     stats = serve.token_stats(r)
     if stats is None:
         return False
+    slos = r.get("slos_ms") or slos
     return stats["ttft"] * 1000 <= slos["ttft"] and (stats["tpot"] or 0.0) * 1000 <= slos["tpot"]
 
 
@@ -488,7 +510,10 @@ def markdown(report: dict[str, Any]) -> str:
 
     phases, lines = report["phase_names"], [BEGIN, *header(report)]
     slos = next(iter(report["results"].values()))["slos_ms"]
-    lines += [f"SLOs: TTFT <= {slos['ttft']:g} ms and TPOT <= {slos['tpot']:g} ms. Goodput in req/s (good / sent in brackets).", "",
+    interactive = [k.name for k in KINDS if k.interactive]
+    tpot = (f"TPOT <= {slos['tpot_interactive']:g} ms for the requests read as they stream ({', '.join(interactive)}), "
+            f"<= {slos['tpot']:g} ms for the others" if "tpot_interactive" in slos else f"TPOT <= {slos['tpot']:g} ms")
+    lines += [f"SLOs: TTFT <= {slos['ttft']:g} ms and {tpot}. Goodput in req/s (good / sent in brackets).", "",
               "| config | " + " | ".join(phases) + " | overall | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | ITL p50 / p99 (ms) "
               "| cores: deployment / others |",
               "|---|" + "---:|" * (len(phases) + 1) + "---:|---:|---:|---:|"]
@@ -521,11 +546,15 @@ def write_doc(section: str) -> None:
 def build_parser() -> argparse.ArgumentParser:
     p = common.parser(__doc__, NAME)
     p.add_argument("--configs", nargs="+", choices=list(CONFIGS), default=list(CONFIGS))
+    p.add_argument("--phases", nargs="+", choices=[ph.name for ph in PHASES], default=[ph.name for ph in PHASES],
+                   help="the phases of the trace, in this order")
     p.add_argument("--phase-s", type=float, default=60.0, help="seconds per phase")
     p.add_argument("--scale", type=float, default=1.0, help="scales every prompt and answer length")
     p.add_argument("--load", type=float, default=1.0, help="scales every phase's request rate")
-    p.add_argument("--slo-ttft", type=float, default=4000.0, help="TTFT SLO (ms)")
-    p.add_argument("--slo-tpot", type=float, default=250.0, help="TPOT SLO (ms)")
+    p.add_argument("--slo-ttft", type=float, default=6000.0, help="TTFT SLO (ms)")
+    p.add_argument("--slo-tpot", type=float, default=250.0, help="TPOT SLO (ms) of the requests read when they are done")
+    p.add_argument("--slo-tpot-interactive", type=float, default=35.0,
+                   help="TPOT SLO (ms) of the requests read as they stream (chats); the controller's ITL SLO")
     p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--interval", type=float, default=2.0, help="autoscaler.interval_s of the adaptive run")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
@@ -543,10 +572,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.phase_s, args.scale, args.load = 12.0, 0.25, 0.6
     info, started = common.begin(args.quick)
-    specs, phase_of = build_trace(PHASES, args.phase_s, args.scale, args.load, args.seed)
+    chosen = tuple(next(ph for ph in PHASES if ph.name == name) for name in args.phases)
+    specs, phase_of, kind_of = build_trace(chosen, args.phase_s, args.scale, args.load, args.seed)
     phases = list(dict.fromkeys(phase_of))
     for name in [] if args.summary_only else args.configs:
-        result = run_config(name, specs, phase_of, args)
+        result = run_config(name, specs, phase_of, kind_of, args)
         result["machine"] = common.finish(dict(info), started)
         common.save(f"{NAME}_{name}", result)
         overall = result["metrics"]["overall"]

@@ -44,9 +44,9 @@ def compute_metrics(records: list[dict], duration_s: float, slos_ms: dict[str, f
         itls.extend(s["itl"])
         if s["tpot"] is not None:
             tpots.append(s["tpot"])
-        if slos_ms:
+        if slos_ms:  # a record may carry its own (its request's class)
             measured = {"ttft": s["ttft"], "tpot": s["tpot"] or 0.0, "e2el": s["e2e"]}
-            good += all(measured[k] * 1000.0 <= v for k, v in slos_ms.items())
+            good += all(measured[k] * 1000.0 <= v for k, v in (rec.get("slos_ms") or slos_ms).items() if k in measured)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     cancelled = sum(1 for r in records if r.get("finish_reason") == CANCELLED)
     return {

@@ -23,16 +23,17 @@ pytestmark = pytest.mark.timeout(420)
 def test_tiny_trace_through_the_adaptive_deployment(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "RESULTS", tmp_path / "results")
     args = at.build_parser().parse_args(["--configs", "adaptive", "--phase-s", "8", "--scale", "0.08", "--load", "0.5",
-                                         "--interval", "1", "--warmup", "1", "--log-dir", str(tmp_path / "logs")])
-    specs, phase_of = at.build_trace(at.PHASES, args.phase_s, args.scale, args.load, args.seed)
-    assert len(set(phase_of)) == 3 and len(specs) >= 6
-    result = at.run_config("adaptive", specs, phase_of, args)
+                                         "--interval", "1", "--warmup", "1", "--seed", "2", "--log-dir", str(tmp_path / "logs")])
+    specs, phase_of, kind_of = at.build_trace(at.PHASES, args.phase_s, args.scale, args.load, args.seed)
+    assert len(set(phase_of)) == len(at.PHASES) and len(specs) >= 6
+    result = at.run_config("adaptive", specs, phase_of, kind_of, args)
 
     metrics = result["metrics"]
     assert metrics["overall"]["sent"] == len(specs) and metrics["overall"]["completed"] == len(specs), metrics["overall"]
     assert metrics["overall"]["failed"] == 0
     assert sum(metrics[p]["sent"] for p in dict.fromkeys(phase_of)) == len(specs)
     assert sorted(r["index"] for r in result["requests"]) == list(range(len(specs)))
+    assert all(r["slos_ms"]["tpot"] == (35.0 if kind_of[r["index"]].interactive else 250.0) for r in result["requests"])
     assert result["leaked_kv_blocks"] == {}, "every KV block is free again once the trace is done"
     assert result["cpu"]["deployment_cores"] > 0
     assert sum(len(ids) for ids in result["workers_at_end"].values()) >= 2

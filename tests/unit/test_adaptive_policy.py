@@ -19,6 +19,7 @@ from common.controller_config import AdaptiveConfig
 from deploy.adaptive import AdaptivePolicy, Snapshot
 from deploy.autoscaler import PoolSignals
 from deploy.commands import format_status
+from router.verdict import SplitEstimate
 
 ADAPTIVE = AdaptiveConfig(mode="adaptive", hold_intervals=3, action_cooldown_s=60, threshold_cooldown_s=30,
                           local_prefill_step=128, local_prefill_max=512, verdict_margin=0.05, queue_share=0.3)
@@ -182,6 +183,9 @@ def test_snapshot_from_the_router_summary():
     assert (s.local_prefill_threshold, s.verdict, s.margin) == (64, "does not pay", -0.12)
     assert s.shares == {"prefill_queue": 0.4, "decode": 0.3}
     assert s.inputs()["prefill"]["replicas"] == 1 and "now" not in s.inputs()
+    assert s.split is None
+    colocated = {"critical_path": {"verdict": {"verdict": "pays", "split": {"itl_s": 0.02, "ttft_s": 3.1, "prefill_busy": 0.5}}}}
+    assert Snapshot.from_router(START, PoolSignals(0), PoolSignals(2), colocated).split == SplitEstimate(0.02, 3.1, 0.5)
     empty = Snapshot.from_router(START, PoolSignals(1), PoolSignals(1), {})
     assert (empty.verdict, empty.shares, empty.local_prefill_threshold) == ("no data", {}, 0)
 
@@ -385,3 +389,32 @@ def test_a_decode_pool_that_prefills_every_prompt_shrinks_only_if_the_workers_le
     assert all(p.resize is None for p in busy), "two workers 60 % busy would leave one at 120 %"
     quiet = run(policy(pools), [snap(START + i * STEP, 0.2) for i in range(12)])
     assert ("decode", 1) in [p.resize for p in quiet]
+
+
+def test_colocated_decode_stretched_by_local_prompts_splits_when_the_split_keeps_the_slos():
+    """Long prompts among long answers, no prefill worker: every stream waits for the local prompts' chunks (ITL over
+    its SLO); the router's estimate of the split (from the decode workers' prompt steps) keeps ITL and TTFT."""
+    pools = PoolsConfig(prefill=PoolConfig(replicas=0, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=2, min_replicas=1, max_replicas=2))
+    split = SplitEstimate(itl_s=0.06, ttft_s=0.5, prefill_busy=0.55)
+    def snap(now: float, **changes) -> Snapshot:
+        s = Snapshot(now, PoolSignals(0, ttft_s=0.5), PoolSignals(2, running_requests=6, kv_usage=0.3, itl_s=0.15), verdict="does not pay",
+                     margin=-0.1, busy={"decode": 0.9}, local_share=1.0, free_cpus=-0.25, split=split)
+        return dataclasses.replace(s, **changes)
+    plans = run(policy(pools), [snap(START + i * STEP) for i in range(3)])
+    assert [p.switch_to for p in plans] == [None, None, "prefill"], "SLOs, not the verdict's mean latency, decide"
+    assert all(p.local_prefill_threshold is None for p in plans), "no prefill worker: the threshold moves nothing"
+    assert ("decode pressed (itl 1.50x) by local prompts; a split keeps the SLOs (estimated ITL 0.60x, TTFT 0.50x, prefill worker "
+            "55% busy)") in plans[-1].reasons[-1]
+    held_back = {
+        "within the ITL SLO the split is not needed": dict(decode=PoolSignals(2, running_requests=6, kv_usage=0.3, itl_s=0.08)),
+        "no estimate (the prompts would saturate one worker)": dict(split=None),
+        "the split's ITL too near the SLO": dict(split=dataclasses.replace(split, itl_s=0.085)),
+        "the split's TTFT too near the SLO": dict(split=dataclasses.replace(split, ttft_s=0.9)),
+        "the prefill worker would have no time to spare": dict(split=dataclasses.replace(split, prefill_busy=0.85)),
+        "the streams' KV would not fit one decode worker": dict(decode=PoolSignals(2, running_requests=6, kv_usage=0.5, itl_s=0.15)),
+        "a prefill worker is already there: the threshold is the lever": dict(prefill=PoolSignals(1, ttft_s=0.5)),
+    }
+    for why, changes in held_back.items():
+        assert all(p.switch_to != "prefill" for p in run(policy(pools), [snap(START + i * STEP, **changes) for i in range(4)])), why
+    one = PoolsConfig(prefill=pools.prefill, decode=PoolConfig(replicas=2, min_replicas=2, max_replicas=2))
+    assert all(p.switch_to is None for p in run(policy(one), [snap(START + i * STEP) for i in range(4)])), "decode min_replicas holds"

@@ -45,6 +45,9 @@ def test_engine_counts_prompt_and_generated_tokens_and_step_time(demo_model, dem
     assert stats.prompt_tokens == sum(len(ids) for ids in prompts) - stats.prefix_hit_tokens  # a shared template prefix hits
     assert stats.generation_tokens == sum(len(t) for t in outputs.values()) == 12
     assert stats.steps > len(max(prompts, key=len)) // 16 and stats.step_seconds > 0
+    # the steps that ran prompt chunks: every chunk of the longest prompt, and not the 3 decode-only steps after the last
+    assert len(max(prompts, key=len)) // 16 <= stats.prompt_steps <= stats.steps - 3
+    assert 0 < stats.prompt_step_seconds < stats.step_seconds
     # the same prompt again: its full cached blocks are not computed twice
     engine.add_request("again", prompts[0], SamplingParams(max_tokens=1))
     run_to_completion(engine)
@@ -57,7 +60,8 @@ def test_worker_series_follow_the_pool():
     metrics = RouterMetrics()
     d0 = PoolEntry("decode", "d0", pb.WorkerStats(free_kv_blocks=30, total_kv_blocks=40, running_requests=3, queued_requests=2,
                                                   preemptions=1, prefix_cache_queried_tokens=64, prefix_cache_hit_tokens=32,
-                                                  prompt_tokens=100, generation_tokens=50, steps=20, step_seconds=2.0))
+                                                  prompt_tokens=100, generation_tokens=50, steps=20, step_seconds=2.0,
+                                                  prompt_steps=4, prompt_step_seconds=1.2))
     p0 = PoolEntry("prefill", "p0", pb.WorkerStats(total_kv_blocks=40, free_kv_blocks=40, kv_bytes_sent=4096))
     fresh = PoolEntry("decode", "d1", None)  # joined, no stats yet: no engine series
     metrics.observe_workers([d0, p0, fresh])
@@ -70,6 +74,7 @@ def test_worker_series_follow_the_pool():
     assert got[("pdserve_prefix_cache_hits_total", d0_labels)] / got[("pdserve_prefix_cache_queries_total", d0_labels)] == 0.5
     assert (got[("pdserve_prompt_tokens_total", d0_labels)], got[("pdserve_generation_tokens_total", d0_labels)]) == (100, 50)
     assert (got[("pdserve_engine_step_seconds_sum", d0_labels)], got[("pdserve_engine_step_seconds_count", d0_labels)]) == (2.0, 20)
+    assert (got[("pdserve_engine_prompt_step_seconds_sum", d0_labels)], got[("pdserve_engine_prompt_step_seconds_count", d0_labels)]) == (1.2, 4)
     assert got[("pdserve_worker_kv_sent_bytes_total", (("role", "prefill"), ("worker", "p0")))] == 4096
     assert not any(dict(labels).get("worker") == "d1" for name, labels in got if name.startswith("pdserve_num_"))
 

@@ -382,7 +382,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "queued_requests", "queued_prompt_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_bytes_received", "kv_bytes_sent", "draining", "timestamp_s", "preemptions", "prompt_tokens", "generation_tokens", "steps", "step_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "spec_steps")
+    __slots__ = ("worker_id", "role", "queued_requests", "queued_prompt_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_bytes_received", "kv_bytes_sent", "draining", "timestamp_s", "preemptions", "prompt_tokens", "generation_tokens", "steps", "step_seconds", "prompt_steps", "prompt_step_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "spec_steps")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -401,6 +401,8 @@ class WorkerStats(_message.Message):
     GENERATION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STEPS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_STEP_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -422,10 +424,12 @@ class WorkerStats(_message.Message):
     generation_tokens: int
     steps: int
     step_seconds: float
+    prompt_steps: int
+    prompt_step_seconds: float
     spec_proposed_tokens: int
     spec_accepted_tokens: int
     spec_steps: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prompt_steps: _Optional[int] = ..., prompt_step_seconds: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "kv_endpoint", "model", "model_fingerprint", "labels")
