@@ -140,5 +140,9 @@ def format_critical_path(cp: dict | None) -> list[str]:
         lines.append(f"  e2e p50 {cp['e2e']['p50_s'] * 1e3:.0f} ms  ttft p50 {cp['ttft']['p50_s'] * 1e3:.0f} ms  "
                      f"itl mean {cp['itl']['mean_s'] * 1e3:.1f} ms")
     verdict = cp["verdict"]
+    if verdict.get("split"):
+        split = verdict["split"]
+        lines.append(f"  split estimate: ITL {split['itl_s'] * 1e3:.1f} ms, TTFT {split['ttft_s'] * 1e3:.0f} ms, "
+                     f"one prefill worker {split['prefill_busy']:.0%} busy")
     lines.append(f"disaggregation: {verdict['verdict'].upper()}  ({verdict['reason']})")
     return lines

@@ -147,8 +147,10 @@ def test_with_no_prefill_worker_the_window_estimates_the_split_from_the_decode_w
         close_path(timings, arrived=t - 8.4, prefill_done_at=None, now=t)
         window.record(timings, completion_tokens=128)
     assert window.decode_steps(20.0)[0] == WorkerSteps(span_s=20.0, steps=220, seconds=16.0, prompt_steps=20, prompt_seconds=7.0)
-    verdict = window.breakdown(20.0)["verdict"]
+    report = window.breakdown(20.0)
+    verdict = report["verdict"]
     assert verdict["verdict"] == "pays" and verdict["estimated"] == "disaggregated" and verdict["prefill_busy"] == pytest.approx(0.61)
+    assert format_critical_path(report)[-2] == "  split estimate: ITL 45.0 ms, TTFT 3564 ms, one prefill worker 61% busy"
     assert window.hop_s() is None, "no request went through a prefill worker"
     split = pb.StageTimings(prefill_compute_s=0.5, kv_transfer_s=0.03, decode_admission_s=0.01, ttft_s=0.6)
     close_path(split, arrived=29.0, prefill_done_at=29.55, now=30.0)
