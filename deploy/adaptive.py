@@ -26,7 +26,7 @@ waiting for its prompt's KV (`PoolSignals.kv_waiting`) are not decode load: they
 (`decode_kv_waiting`). A new worker is added only onto free cores (`Snapshot.free_cpus`, the controller's count of
 cores no worker or router holds): a worker on a machine whose cores are all held slows every other one. When
 disaggregation does not pay with the threshold at its max, a prefill worker becomes decode (the colocated shape),
-and so does the only prefill worker when it is saturated and pressed with no free core for a second one (its queue
+and so does the only prefill worker when it is saturated (`SATURATED`) and pressed with no free core for a second one (its queue
 grows while the decode worker's core has time; colocated, every core prefills). With no prefill worker, TTFT over its
 SLO is the prefill pool's (every prompt prefilled locally), so a decode worker that can be spared comes back as a
 prefill worker, unless those workers are saturated on held cores (the split would only move the same time). With
@@ -57,7 +57,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from deploy.autoscaler import LOAD_SIGNALS, PoolAutoscaler, PoolSignals
-from router.verdict import SplitEstimate
+from router.verdict import SATURATED, SplitEstimate
 
 if TYPE_CHECKING:
     from common.config import AutoscalerConfig, PoolsConfig
@@ -278,13 +278,17 @@ class AdaptivePolicy:
 
     def _idle_gives(self, s: Snapshot, pressure: dict[str, dict[str, float]]) -> Candidate | None:
         """A pool whose workers are idle gives one to the other pool when that one is pressed. Pressed, not
-        merely busy: a decode engine steps whenever it has a stream, so a busy decode pool may be well within its SLO."""
+        merely busy: a decode engine steps whenever it has a stream, so a busy decode pool may be well within its SLO.
+        The only prefill worker does not go for decode's ITL alone while it still prefills most prompts: colocated,
+        those prompts' chunks would stretch the same ITL (the inverse of `_interference_split`)."""
         cfg = self.config.adaptive
         for role, other in (ROLES, ROLES[::-1]):
             mine = s.busy.get(role)
             if mine is None or mine >= cfg.idle_busy or any(v > 1.0 for v in pressure[role].values()):
                 continue
             pressed = {k: v for k, v in pressure[other].items() if v > 1.0}
+            if role == "prefill" and s.prefill.replicas == 1 and set(pressed) == {"itl"} and s.local_share < 0.5:
+                continue  # its prompts would come back among the streams: the interference split's inverse, the pair would flap
             if pressed and self._fits(role, s.signals(role).replicas - 1) and self._fits(other, s.signals(other).replicas + 1):
                 return Candidate(("switch", other), f"{role} workers idle ({mine:.0%} busy), {other} pressed ({_hot(pressed)}): "
                                  f"a {role} worker becomes {other}", other)
@@ -295,10 +299,9 @@ class AdaptivePolicy:
         (the colocated shape), so that every worker's spare time goes to prompts instead of one core's queue growing
         while the other core waits on it. The verdict does not hold it back: it weighs interference, and a queue that
         only grows costs more (capacity first, as in the threshold lane)."""
-        cfg = self.config.adaptive
         hot = {k: v for k, v in pressure["prefill"].items() if v > 1.0}
         busy = s.busy.get("prefill", 0.0)
-        if (not hot or s.prefill.replicas != 1 or busy < cfg.busy_high or self._cores_for("prefill", 1, s)
+        if (not hot or s.prefill.replicas != 1 or busy < SATURATED or self._cores_for("prefill", 1, s)
                 or not (self._fits("prefill", 0) and self._fits("decode", s.decode.replicas + 1))):
             return None
         return Candidate(("switch", "decode"), f"prefill saturated ({_hot(hot)}, workers {busy:.0%} busy) with no free core for "

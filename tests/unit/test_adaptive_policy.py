@@ -418,3 +418,22 @@ def test_colocated_decode_stretched_by_local_prompts_splits_when_the_split_keeps
         assert all(p.switch_to != "prefill" for p in run(policy(pools), [snap(START + i * STEP, **changes) for i in range(4)])), why
     one = PoolsConfig(prefill=pools.prefill, decode=PoolConfig(replicas=2, min_replicas=2, max_replicas=2))
     assert all(p.switch_to is None for p in run(policy(one), [snap(START + i * STEP) for i in range(4)])), "decode min_replicas holds"
+
+
+def test_after_an_interference_split_the_pair_of_inverse_rules_does_not_flap():
+    """1P/1D after the interference split, every prompt through the prefill worker. Decode a little over its ITL SLO
+    with the prefill worker idle is no reason to go back: colocated, the prompts' chunks would stretch the same ITL.
+    A prefill worker at 83 % is busy, not saturated: the way back needs 0.95 (`SATURATED`), above the split's 0.8."""
+    pools = PoolsConfig(prefill=PoolConfig(replicas=1, min_replicas=0, max_replicas=1), decode=PoolConfig(replicas=1, min_replicas=1, max_replicas=2))
+    def snap(now: float, **changes) -> Snapshot:
+        s = Snapshot(now, PoolSignals(1, ttft_s=0.3), PoolSignals(1, running_requests=5, kv_usage=0.2, itl_s=0.109), verdict="pays",
+                     margin=0.2, busy={"prefill": 0.24, "decode": 0.97}, local_share=0.0, free_cpus=-0.25)
+        return dataclasses.replace(s, **changes)
+    assert all(p.switch_to is None for p in run(policy(pools), [snap(START + i * STEP) for i in range(4)]))
+    local = run(policy(pools), [snap(START + i * STEP, local_share=1.0) for i in range(3)])
+    assert local[-1].switch_to == "decode", "prompts already local: a second decode worker halves their stretch"
+    kv = run(policy(pools), [snap(START + i * STEP, decode=PoolSignals(1, running_requests=5, kv_usage=0.9, itl_s=0.109)) for i in range(3)])
+    assert kv[-1].switch_to == "decode", "KV pressure is decode load that a second worker takes"
+    busy = [snap(START + i * STEP, prefill=PoolSignals(1, queued_prompt_tokens=1500, ttft_s=3.0), busy={"prefill": 0.83, "decode": 0.6})
+            for i in range(4)]
+    assert all(p.switch_to is None for p in run(policy(pools), busy))
