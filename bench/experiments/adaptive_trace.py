@@ -72,6 +72,7 @@ import yaml
 from bench import serve
 from bench.experiments import common
 from bench.experiments.cluster import bench_config, launch, terminate
+from bench.servebench.metrics import meets_slos
 from bench.servebench.workload import DEFAULT_VOCAB, RequestSpec, random_ids
 
 NAME = "adaptive_trace"
@@ -494,8 +495,7 @@ def good_request(r: dict, slos: dict[str, float]) -> bool:
     stats = serve.token_stats(r)
     if stats is None:
         return False
-    slos = r.get("slos_ms") or slos
-    return stats["ttft"] * 1000 <= slos["ttft"] and (stats["tpot"] or 0.0) * 1000 <= slos["tpot"]
+    return meets_slos(stats, r.get("slos_ms") or slos)
 
 
 # ---- docs/benchmarks.md ------------------------------------------------------------------------

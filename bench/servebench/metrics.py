@@ -27,6 +27,12 @@ def summarize(values_s: list[float], percentiles=DEFAULT_PERCENTILES) -> dict[st
     return out
 
 
+def meets_slos(stats: dict, slos_ms: dict[str, float]) -> bool:
+    """Whether a record's token_stats meet every SLO (ms) of `slos_ms` it measures (ttft, tpot, e2el)."""
+    measured = {"ttft": stats["ttft"], "tpot": stats["tpot"] or 0.0, "e2el": stats["e2e"]}
+    return all(measured[k] * 1000.0 <= v for k, v in slos_ms.items() if k in measured)
+
+
 def compute_metrics(records: list[dict], duration_s: float, slos_ms: dict[str, float] | None = None,
                     percentiles=DEFAULT_PERCENTILES) -> dict[str, Any]:
     """vLLM's serving metrics over `records` (dicts as saved in the JSON)."""
@@ -45,8 +51,7 @@ def compute_metrics(records: list[dict], duration_s: float, slos_ms: dict[str, f
         if s["tpot"] is not None:
             tpots.append(s["tpot"])
         if slos_ms:  # a record may carry its own (its request's class)
-            measured = {"ttft": s["ttft"], "tpot": s["tpot"] or 0.0, "e2el": s["e2e"]}
-            good += all(measured[k] * 1000.0 <= v for k, v in (rec.get("slos_ms") or slos_ms).items() if k in measured)
+            good += meets_slos(s, rec.get("slos_ms") or slos_ms)
     per_s = (lambda x: x / duration_s) if duration_s > 0 else (lambda x: 0.0)
     cancelled = sum(1 for r in records if r.get("finish_reason") == CANCELLED)
     return {
