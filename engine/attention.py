@@ -12,7 +12,9 @@ argument of the model call; transformers forwards it untouched to every attentio
                queries being the last positions of the row's context, causal inside the row; no gather,
                no mask, each row reads only its own blocks (engine.kernels tiles long rows). On a GPU the
                rows are the single-token decodes, padded to a fixed batch and table width
-               (graph-capturable: fixed shapes, lengths read on the device).
+               (graph-capturable: fixed shapes, lengths read on the device). Whole prompts are
+               kernel rows too where the kernel attends them faster than SDPA (engine.prompt_attention
+               measures it once per machine: a Zen 4 EPYC, not an AMX Xeon).
      prompts   (CPU with the C++ kernel) prefill chunks (`PromptChunk`) follow the kernel's rows, each
                in one `F.scaled_dot_product_attention` call of its own: a chunk that starts its request's
                context attends to its own k/v, causal, what transformers runs on a prompt, so the same
@@ -112,12 +114,12 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMet
     if meta.prefill is not None:
         parts.append(_prefill(q[nd:], kc, vc, meta.prefill, scaling))
     if meta.prompts is not None:
-        parts.extend(_prompts(q[nd:], k[nd:], v[nd:], kc, vc, meta.prompts, scaling))
+        parts.extend(prompts_through_sdpa(q[nd:], k[nd:], v[nd:], kc, vc, meta.prompts, scaling))
     return parts[0] if len(parts) == 1 else torch.cat(parts)
 
 
-def _prompts(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[PromptChunk],
-             scaling: float | None) -> list[torch.Tensor]:
+def prompts_through_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kc: torch.Tensor, vc: torch.Tensor, chunks: list[PromptChunk],
+                        scaling: float | None) -> list[torch.Tensor]:
     """Each prefill chunk's causal attention, in the layout transformers hands SDPA: over its own k/v, or
     over its context's (and its own) k/v in the pool."""
     out, first = [], 0

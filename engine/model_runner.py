@@ -8,7 +8,8 @@ bookkeeping is plain Python on ints, turned into a few tensors at the end.
 
 On a CPU with the C++ kernel (engine.kernels, built once per machine) every request of the step is one
 row of one `paged_decode` kernel call per layer: decodes, verifying rows and short prefill chunks after
-cached keys alike, in the batch's order, followed by the other prefill chunks (each attended on its own by
+cached keys alike (and whole prompts, where engine.prompt_attention measured the kernel faster than SDPA on
+this machine), in the batch's order, followed by the other prefill chunks (each attended on its own by
 SDPA, as transformers attends a prompt, over its context gathered from the pool when it has one;
 engine.attention); its linear layers run as engine.linears decides
 (the small-matmul kernel for float32 inputs of few rows, bf16 weights packed once). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU
@@ -29,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, kernels, linears, llama_layers, paged_decode, triton_layers
+from engine import attention, kernels, linears, llama_layers, paged_decode, prompt_attention, triton_layers
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch, prompt_chunk
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -47,11 +48,12 @@ SDPA_CHUNK_AFTER_CONTEXT = 16
 context (CPU path); shorter ones cost less as rows of the C++ kernel, which reads the context in place."""
 
 
-def _attended_apart(item: StepItem) -> bool:
-    """A prefill chunk attended by its own SDPA call (CPU path), apart from the kernel's rows."""
+def _attended_apart(item: StepItem, whole_prompts_apart: bool) -> bool:
+    """A prefill chunk attended by its own SDPA call (CPU path), apart from the kernel's rows: a whole prompt where
+    SDPA attends those faster here (`whole_prompts_apart`, engine.prompt_attention), a long chunk after cached keys."""
     if item.num_tokens == 1 or item.num_proposed:
         return False
-    return item.start == 0 or item.num_tokens >= SDPA_CHUNK_AFTER_CONTEXT
+    return whole_prompts_apart if item.start == 0 else item.num_tokens >= SDPA_CHUNK_AFTER_CONTEXT
 
 
 def install_kernels(model: torch.nn.Module, device: torch.device | str) -> LoneRows | None:
@@ -95,6 +97,8 @@ class ModelRunner:
         model.set_attn_implementation(attention.register())
         self.lone_rows = install_kernels(model, self.device)
         """Told each step which rows decode, for bf16 layers that sum them as lone rows (engine.linears)."""
+        self.whole_prompts_apart = True
+        """Whole prompts attended by SDPA, not as rows of the C++ kernel (CPU path: measured, `set_decode_kernel`)."""
         try:
             self.set_decode_kernel(paged_decode.default_kernel(self.device, kv_cache.layout.head_dim))
         except Exception as exc:  # a kernel that does not compile or a graph that does not capture here
@@ -108,6 +112,10 @@ class ModelRunner:
         prefill chunks as rows: with any other the step takes the batched path."""
         self.decode_kernel = name
         self.batched = self.batched or name != "cpp"
+        if not self.batched:
+            layout = self.kv_cache.layout
+            self.whole_prompts_apart = not prompt_attention.kernel_attends_prompts(
+                layout.dtype, self._query_heads(), layout.num_kv_heads, layout.head_dim, layout.block_size)
         self.graphs = None
         self.decode_fn = paged_decode.KERNELS[name]
         if name == "triton" and self.device.type == "cuda":
@@ -121,8 +129,7 @@ class ModelRunner:
 
     def _tune_triton(self) -> tuple[Callable, dict]:
         """paged_decode.tune_triton over layer 0's pool; its default configuration if timing fails."""
-        cache, config = self.kv_cache, self.model.config
-        heads = cache.layout.num_kv_heads * (config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads))
+        cache, heads = self.kv_cache, self._query_heads()
         try:
             tuned, report = paged_decode.tune_triton(cache.key_caches[0], cache.value_caches[0], heads)
         except Exception as exc:  # the kernel still runs at its defaults; its own failure is caught by the caller
@@ -130,6 +137,11 @@ class ModelRunner:
             return paged_decode.decode_triton, {"error": f"{type(exc).__name__}: {exc}"}
         log.info("triton decode kernel: %s", report)
         return tuned, report
+
+    def _query_heads(self) -> int:
+        """This rank's query heads (its share of the KV heads, each with its group)."""
+        config = self.model.config
+        return self.kv_cache.layout.num_kv_heads * (config.num_attention_heads // getattr(config, "num_key_value_heads", config.num_attention_heads))
 
     @torch.inference_mode()
     def execute(
@@ -139,7 +151,7 @@ class ModelRunner:
         the sampling members of the batch, in that order (1 + num_proposed rows per member)."""
         if self.batched:
             return self._execute_batched(batch, on_layer_written)
-        apart = [_attended_apart(s) for s in batch]
+        apart = [_attended_apart(s, self.whole_prompts_apart) for s in batch]
         order = [i for i, alone in enumerate(apart) if not alone] + [i for i, alone in enumerate(apart) if alone]
         ordered = [batch[i] for i in order]
         rows = ordered[: apart.count(False)]

@@ -20,9 +20,7 @@ picks the kernel by the layer).
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 
 import torch
@@ -82,14 +80,13 @@ def crossovers(layers: list[nn.Linear]) -> dict[str, int]:
     """Per weight shape of `layers` (in the model's order), the most rows up to which its kernel (`_kernel`) beats
     torch here: the largest of CANDIDATE_ROWS where it is faster and, summed over the counts up to it, not
     slower. Shapes this machine has not measured yet are measured now and kept (CROSSOVERS_FILE)."""
-    path = kernels.build_directory() / CROSSOVERS_FILE
     keys = {shape_key(layer.weight) for layer in layers}
-    known = _read(path)
+    known = kernels.read_measured(CROSSOVERS_FILE)
     missing = keys - known.keys()
     if missing:
         measured = _measure([layer for layer in layers if shape_key(layer.weight) in missing])
-        known = {**_read(path), **measured}
-        _write(path, known)
+        known = {**kernels.read_measured(CROSSOVERS_FILE), **measured}
+        kernels.keep_measured(CROSSOVERS_FILE, known)
     return {key: known[key] for key in sorted(keys)}
 
 
@@ -133,19 +130,3 @@ def _kernel(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if packed is not None:
         return kernels.load().one_row_linear(x, packed)
     return kernels.load().small_matmul(x, layer.weight, None)
-
-
-def _read(path) -> dict[str, int]:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def _write(path, known: dict[str, int]) -> None:
-    try:
-        staged = path.with_name(f"{path.name}.{os.getpid()}")
-        staged.write_text(json.dumps(known, indent=1, sort_keys=True) + "\n")
-        os.replace(staged, path)  # atomic: a process reading meanwhile never sees half a file
-    except OSError as exc:  # a read-only cache: measured again by the next process
-        log.warning("could not keep the measured crossover in %s: %s", path, exc)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import json
 import logging
 import os
 import platform
@@ -107,6 +108,26 @@ def _put_ninja_on_path() -> None:
     path = os.environ.get("PATH", "")
     if ninja.BIN_DIR not in path.split(os.pathsep):
         os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, path]) if path else ninja.BIN_DIR
+
+
+def read_measured(file: str) -> dict:
+    """What this machine measured once about how to use its build (a JSON file of the build directory, read by
+    every later process: engine.small_matmul's crossovers, engine.prompt_attention's choice); {} before."""
+    try:
+        return json.loads((build_directory() / file).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def keep_measured(file: str, values: dict) -> None:
+    """Write `values` as the build directory's `file` (a read-only cache only logs: the next process measures again)."""
+    path = build_directory() / file
+    try:
+        staged = path.with_name(f"{path.name}.{os.getpid()}")
+        staged.write_text(json.dumps(values, indent=1, sort_keys=True) + "\n")
+        os.replace(staged, path)  # atomic: a process reading meanwhile never sees half a file
+    except OSError as exc:
+        log.warning("could not keep what was measured in %s: %s", path, exc)
 
 
 def unavailable_reason() -> str | None:

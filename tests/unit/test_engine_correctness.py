@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
-from engine import SamplingParams
+from engine import SamplingParams, prompt_attention
 from engine.model_loader import LoadedModel
 from tests.conftest import assert_no_leaked_blocks, hf_generate, make_engine, run_to_completion
 
@@ -29,6 +29,16 @@ def test_batch_of_mixed_lengths_matches_hf(demo_model, demo_prompt_ids, hf_greed
     lengths = sorted(len(p) for p in demo_prompt_ids)
     assert lengths[0] < 40 and lengths[-1] > 120, "prompts must have mixed lengths"
     engine = make_engine(demo_model)
+    _check_against_hf(_run_batch(engine, demo_prompt_ids), demo_prompt_ids, hf_greedy)
+    assert_no_leaked_blocks(engine)
+
+
+@pytest.mark.parametrize("kernel_attends_prompts", [True, False], ids=["prompts-as-kernel-rows", "prompts-through-sdpa"])
+def test_whole_prompts_through_either_attention_path_match_hf(demo_model, demo_prompt_ids, hf_greedy, monkeypatch, kernel_attends_prompts):
+    """engine.prompt_attention picks one path per machine; both must give transformers' tokens."""
+    monkeypatch.setattr(prompt_attention, "kernel_attends_prompts", lambda *args: kernel_attends_prompts)
+    engine = make_engine(demo_model)
+    assert engine.runner.batched or engine.runner.whole_prompts_apart is not kernel_attends_prompts
     _check_against_hf(_run_batch(engine, demo_prompt_ids), demo_prompt_ids, hf_greedy)
     assert_no_leaked_blocks(engine)
 

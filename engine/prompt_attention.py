@@ -1,0 +1,77 @@
+"""Which attends a whole prompt on a CPU with the C++ kernel: the kernel, as a row of many queries, or torch's SDPA.
+
+Both sum as transformers does (the kernel as torch's CPU flash attention, on the CPUs where that order was
+measured), so the choice is speed alone, and it differs between CPUs: on an Intel Xeon with AMX torch's flash
+attention packs a bf16 prompt for the AMX tiles and attends it ~3x faster than the kernel; on a Zen 4 EPYC
+(AVX512-BF16, no AMX) the kernel's bf16 dot products attend it 1.5-1.7x faster than SDPA (prompts of 160-512
+tokens, 1 thread), and in float32 the two tie.
+
+Lifecycle: the ModelRunner asks `kernel_attends_prompts(...)` once. The answer is measured the first time a
+machine sees a (dtype, head geometry, thread count): prompts of PROMPT_LENGTHS tokens through both paths, the
+paths alternating, each length's best of ROUNDS, the totals compared; then kept next to the kernels' build
+(engine.kernels.keep_measured, as engine.small_matmul's crossovers) and read by every later process.
+Chunks after cached keys are not asked about: SDPA attends those over their gathered context under a mask,
+the kernel as decodes of their own lengths (engine.model_runner decides by their size).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from engine import kernels
+from engine.attention import PromptChunk, prompts_through_sdpa
+
+log = logging.getLogger(__name__)
+
+CHOICES_FILE = "prompt_attention.json"
+PROMPT_LENGTHS = (128, 512)
+ROUNDS = 3
+
+
+def kernel_attends_prompts(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether whole prompts go to the C++ kernel (True) or to SDPA one by one, as measured on this machine."""
+    key = choice_key(dtype, heads, kv_heads, head_dim)
+    known = kernels.read_measured(CHOICES_FILE)
+    if key not in known:
+        kernel_s, sdpa_s = measure(dtype, heads, kv_heads, head_dim, block_size)
+        known = {**kernels.read_measured(CHOICES_FILE), key: {"kernel_s": round(kernel_s, 6), "sdpa_s": round(sdpa_s, 6)}}
+        kernels.keep_measured(CHOICES_FILE, known)
+        log.info("whole prompts (%s): the C++ kernel %.2f ms, SDPA %.2f ms", key, kernel_s * 1e3, sdpa_s * 1e3)
+    return known[key]["kernel_s"] < known[key]["sdpa_s"]
+
+
+def choice_key(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> str:
+    return f"{str(dtype).removeprefix('torch.')} {heads}/{kv_heads} heads x {head_dim}/{torch.get_num_threads()} threads"
+
+
+@torch.inference_mode()
+def measure(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int) -> tuple[float, float]:
+    """Seconds for one prompt of each of PROMPT_LENGTHS through the kernel and through SDPA (each length's best
+    of ROUNDS), attended as the runner attends them: the kernel over blocks scattered in a pool, SDPA over the
+    step's own k/v."""
+    built = kernels.load()
+    scale = head_dim**-0.5
+    best = {"kernel": dict.fromkeys(PROMPT_LENGTHS, float("inf")), "sdpa": dict.fromkeys(PROMPT_LENGTHS, float("inf"))}
+    generator = torch.Generator().manual_seed(0)
+    for length in PROMPT_LENGTHS:
+        q, k, v = (torch.randn(length, n, head_dim, generator=generator).to(dtype) for n in (heads, kv_heads, kv_heads))
+        blocks = -(-length // block_size)
+        key_pool, value_pool = (torch.zeros(2 * blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        table = torch.randperm(2 * blocks, generator=generator)[:blocks].to(torch.int32)
+        slots = (table.long().unsqueeze(1) * block_size + torch.arange(block_size)).reshape(-1)[:length]
+        key_pool.view(-1, kv_heads, head_dim)[slots] = k
+        value_pool.view(-1, kv_heads, head_dim)[slots] = v
+        lens, starts = torch.tensor([length], dtype=torch.int32), torch.tensor([0, length], dtype=torch.int32)
+        paths = {
+            "kernel": lambda: built.paged_decode(q, key_pool, value_pool, table.unsqueeze(0), lens, scale, starts),
+            "sdpa": lambda: prompts_through_sdpa(q, k, v, key_pool, value_pool, [PromptChunk(length)], scale),
+        }
+        for _ in range(ROUNDS):
+            for name, run in paths.items():
+                started = time.perf_counter()
+                run()
+                best[name][length] = min(best[name][length], time.perf_counter() - started)
+    return sum(best["kernel"].values()), sum(best["sdpa"].values())
