@@ -8,8 +8,8 @@ bookkeeping is plain Python on ints, turned into a few tensors at the end.
 
 On a CPU with the C++ kernel (engine.kernels, built once per machine) every request of the step is one
 row of one `paged_decode` kernel call per layer: decodes, verifying rows and short prefill chunks after
-cached keys alike (and whole prompts, where engine.prompt_attention measured the kernel faster than SDPA on
-this machine), in the batch's order, followed by the other prefill chunks (each attended on its own by
+cached keys alike (and whole prompts, where engine.prompt_attention measured the kernel clearly faster than SDPA
+on this machine), in the batch's order, followed by the other prefill chunks (each attended on its own by
 SDPA, as transformers attends a prompt, over its context gathered from the pool when it has one;
 engine.attention); its linear layers run as engine.linears decides
 (the small-matmul kernel for float32 inputs of few rows, bf16 weights packed once). On CUDA, or on a CPU without the C++ kernel (or with `batched=True`, how the CPU

@@ -12,8 +12,8 @@ pytestmark = pytest.mark.skipif(kernels.load() is None, reason="the C++ kernels 
 GEOMETRY = dict(heads=9, kv_heads=3, head_dim=64, block_size=16)
 
 
-@pytest.mark.parametrize(("kernel_s", "sdpa_s", "expected"), [(1.0, 2.0, True), (2.0, 1.0, False)])
-def test_the_faster_path_is_chosen_and_kept_for_later_processes(monkeypatch, tmp_path, kernel_s, sdpa_s, expected):
+@pytest.mark.parametrize(("kernel_s", "sdpa_s", "expected"), [(1.0, 2.0, True), (0.8, 1.0, True), (0.9, 1.0, False), (2.0, 1.0, False)])
+def test_the_kernel_is_chosen_where_clearly_faster_and_kept_for_later_processes(monkeypatch, tmp_path, kernel_s, sdpa_s, expected):
     monkeypatch.setattr(kernels, "build_directory", lambda: tmp_path)
     measured = []
     monkeypatch.setattr(prompt_attention, "measure", lambda *args: measured.append(args) or (kernel_s, sdpa_s))
