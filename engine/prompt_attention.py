@@ -31,6 +31,7 @@ import torch
 
 from engine import kernels
 from engine.attention import PromptChunk, prompts_through_sdpa
+from engine.kv_cache import KVCache, KVLayout
 
 log = logging.getLogger(__name__)
 
@@ -69,11 +70,10 @@ def measure(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_
     for length in PROMPT_LENGTHS:
         q, k, v = (torch.randn(length, n, head_dim, generator=generator).to(dtype) for n in (heads, kv_heads, kv_heads))
         blocks = -(-length // block_size)
-        key_pool, value_pool = (torch.zeros(2 * blocks, block_size, kv_heads, head_dim, dtype=dtype) for _ in range(2))
+        pool = KVCache(KVLayout(num_layers=1, num_kv_heads=kv_heads, head_dim=head_dim, block_size=block_size, dtype=dtype), 2 * blocks)
         table = torch.randperm(2 * blocks, generator=generator)[:blocks].to(torch.int32)
-        slots = (table.long().unsqueeze(1) * block_size + torch.arange(block_size)).reshape(-1)[:length]
-        key_pool.view(-1, kv_heads, head_dim)[slots] = k
-        value_pool.view(-1, kv_heads, head_dim)[slots] = v
+        pool.write_tokens(0, table.tolist(), k, v)
+        key_pool, value_pool = pool.key_caches[0], pool.value_caches[0]
         lens, starts = torch.tensor([length], dtype=torch.int32), torch.tensor([0, length], dtype=torch.int32)
         paths = {
             "kernel": lambda: built.paged_decode(q, key_pool, value_pool, table.unsqueeze(0), lens, scale, starts),
