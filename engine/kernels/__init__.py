@@ -47,7 +47,10 @@ def _cpu_signature() -> str:
     return "\n".join(sorted(set(lines)))
 
 
+@functools.cache
 def build_key() -> str:
+    """The sources, torch, CPU and flags as this process first saw them: a checkout edited while the process runs
+    still measures into the directory of the build it loaded."""
     digest = hashlib.sha256()
     texts = [(FOLDER / name).read_bytes() for name in SOURCES + HEADERS]
     for part in (*texts, torch.__version__.encode(), _cpu_signature().encode(), " ".join(FLAGS).encode(), b"source copied"):

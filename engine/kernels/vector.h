@@ -82,6 +82,24 @@ inline void load_vectors(const scalar_t* src, vf* dst) {
   }
 }
 
+// `count` vectors of fp32 lanes stored to `dst` one register each: a memcpy from an array of vectors takes
+// the array's address, and GCC then keeps the array in memory (an accumulator loaded and stored per add).
+template <int count>
+inline void store_vectors(const vf* src, float* dst) {
+  for (int c = 0; c < count; ++c) *reinterpret_cast<vf_unaligned*>(dst + c * kLanes) = src[c];
+}
+
+// The first n lanes of x stored to dst (n <= kLanes), through a copy whose address may be taken (see store_vectors).
+inline void store_lanes(vf x, float* dst, int64_t n) {
+  if (n == kLanes) {
+    *reinterpret_cast<vf_unaligned*>(dst) = x;
+    return;
+  }
+  alignas(sizeof(vf)) float lanes[kLanes];
+  *reinterpret_cast<vf*>(lanes) = x;
+  std::memcpy(dst, lanes, n * sizeof(float));
+}
+
 // round_to on kLanes lanes at once, the same operations lane by lane.
 template <typename scalar_t>
 inline vf round_to(vf x) {
@@ -122,6 +140,30 @@ inline vf transpose_sum(vf* partial) {
   pair_sums<4>(partial);
   if constexpr (kLanes == 16) pair_sums<8>(partial);
   return partial[0];
+}
+
+// m[w] lane t <- m[t] lane w for kLanes vectors (a kLanes x kLanes block of floats): per stage B (1, 2, 4, 8
+// apart), lanes with bit B set trade places between vectors r and r | B.
+template <int B>
+inline void transpose_stage(vf* m) {
+  vi keep, swap;
+  for (int c = 0; c < kLanes; ++c) {
+    keep[c] = (c & B) ? kLanes + (c ^ B) : c;
+    swap[c] = (c & B) ? kLanes + c : (c | B);
+  }
+  for (int r = 0; r < kLanes; ++r) {
+    if (r & B) continue;
+    const vf a = m[r], b = m[r | B];
+    m[r] = __builtin_shuffle(a, b, keep);
+    m[r | B] = __builtin_shuffle(a, b, swap);
+  }
+}
+
+inline void transpose_lanes(vf* m) {
+  transpose_stage<1>(m);
+  transpose_stage<2>(m);
+  transpose_stage<4>(m);
+  if constexpr (kLanes == 16) transpose_stage<8>(m);
 }
 
 }  // namespace pdserve

@@ -166,6 +166,25 @@ def test_a_prefill_chunk_is_a_row_of_many_queries(dtype):
     assert torch.equal(got[:101], one_query_rows[:101])
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (8, 8, 16), (4, 1, 32), (6, 2, 48)])
+def test_whole_prompts_in_fp32_match_the_exact_attention(heads, kv_heads, dim):
+    """Whole prompts of more than a few queries score their K tiles transposed (score_keys_transposed): lengths
+    around the tile sizes (16 keys, 32 queries; a last tile of 1 and of 15 keys), each query seeing its prefix."""
+    g = torch.Generator().manual_seed(3)
+    key = torch.randn(51, 16, kv_heads, dim, generator=g)
+    value = torch.randn(51, 16, kv_heads, dim, generator=g)
+    counts = [5, 17, 31, 33, 64, 100]
+    table = torch.randperm(50, generator=g)[: len(counts) * 7].view(len(counts), 7).int()
+    lens = torch.tensor(counts, dtype=torch.int32)
+    starts = torch.tensor([0] + counts, dtype=torch.int32).cumsum(0).int()
+    q = torch.randn(sum(counts), heads, dim, generator=g)
+    got = decode_cpp(q, key, value, table, lens, None, query_starts=starts)
+    tables = torch.cat([table[row].expand(n, -1) for row, n in enumerate(counts)])
+    lengths = torch.cat([torch.arange(1, n + 1) for n in counts])
+    exact = decode_torch(q.double(), key.double(), value.double(), tables.long(), lengths, None)
+    torch.testing.assert_close(got.double(), exact, rtol=1e-5, atol=2e-6)
+
+
 def _sdpa_case(queries, keys, seed, dtype=torch.bfloat16, block_size=16):
     """q [1, 9, queries, 64] and k/v [1, 3, keys, 64] as transformers passes them to SDPA, and the same keys
     in a shuffled paged pool."""
