@@ -2,24 +2,25 @@
 // verifying proposed tokens and prefill chunks alike.
 //
 // A row is one request: its block table, its context length, and its queries, the last `n` positions of
-// that context (n = 1 for a decode; 1 + k for a request verifying k proposed tokens; the chunk's tokens
-// for a prefill chunk), query i seeing the context up to its own position (causal inside the row). A row
-// of many queries is cut into tiles of kQueryTile queries (tasks_of), one task each; a decode row is one
-// task. Per task, K pass: the row's keys in order (each KV head's rows requested kKeysAhead keys ahead,
-// a few at a time between the arithmetic: RowsAhead), 16 keys at a time: their rows of a KV head are
-// converted to fp32 once and dotted with the G = H / Hkv query heads of every query that share it. Each query head's scores
-// (a few KB) are softmaxed in fp32 over its own keys; the keys past a query's position get weight 0.
+// that context (n = 1 for a decode; 1 + k for a request verifying k proposed tokens; the chunk's tokens for
+// a prefill chunk), query i seeing the context up to its own position (causal inside the row). A row of
+// many queries is cut into tiles of kQueryTile queries (tasks_of), one task each; a decode row is one task.
+// Per task, K pass: the row's keys in order (each KV head's rows requested kKeysAhead keys ahead, a few at
+// a time between the arithmetic: RowsAhead), 16 keys at a time: their rows of a KV head are converted to
+// fp32 once and dotted with the G = H / Hkv query heads of every query that share it. Each query head's
+// scores (a few KB) are softmaxed in fp32 over its own keys; the keys past a query's position get weight 0.
 // V pass: per KV head, a few (query, head) pairs accumulate in registers while that head's V rows stream
-// by, as far as the last of those queries sees. No workspace, no padding: a task reads exactly the keys
-// its last query sees. A tile of a whole prompt's queries (many pairs per K tile) is scored the other way
-// round: the K tile is transposed once and each pair takes D broadcast multiply-adds (score_keys_transposed).
-// The row's token offsets into the pool are computed once (no division per key and head). A bf16 pool on a CPU with AVX512-BF16 (head sizes that are multiples of 32) skips the fp32
+// by, as far as the last of those queries sees. No workspace, no padding: a task reads exactly the keys its
+// last query sees. A tile of a whole prompt's queries (many pairs per K tile) is scored the other way
+// round: the K tile is transposed once and each pair takes D broadcast multiply-adds
+// (score_keys_transposed). The row's token offsets into the pool are computed once (no division per key and
+// head). A bf16 pool on a CPU with AVX512-BF16 (head sizes that are multiples of 32) skips the fp32
 // conversions: both passes use the bf16 dot-product instruction on the rows as stored (products exact in
 // fp32, sums in fp32), and sum in the order of torch's CPU flash attention (what transformers' SDPA runs),
-// so that a bf16 decode or prompt gives transformers' bits (score_keys_bf16, softmax_rows, weigh_values_bf16
-// say how). A query after cached keys (a row verifying proposals, a later prefill chunk) is softmaxed and
-// summed as a decode of its own length, so it gives bit for bit what that one-query row gives; a whole
-// prompt's queries are softmaxed over the prompt's length, as torch does.
+// so that a bf16 decode or prompt gives transformers' bits (score_keys_bf16, softmax_rows,
+// weigh_values_bf16 say how). A query after cached keys (a row verifying proposals, a later prefill chunk)
+// is softmaxed and summed as a decode of its own length, so it gives bit for bit what that one-query row
+// gives; a whole prompt's queries are softmaxed over the prompt's length, as torch does.
 // Shapes: q [T, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous); block_table [B, W]
 // int32 or int64; context_lens [B] (same dtype); query_starts [B + 1] (same dtype, optional: row b's
 // queries are q[query_starts[b] : query_starts[b + 1]]; without it T = B, one query per row); returns
