@@ -14,7 +14,7 @@ argument of the model call; transformers forwards it untouched to every attentio
                rows are the single-token decodes, padded to a fixed batch and table width
                (graph-capturable: fixed shapes, lengths read on the device). Whole prompts are
                kernel rows too where the kernel attends them clearly faster than SDPA (engine.prompt_attention
-               measures it once per machine: bf16 on a Zen 4 EPYC, not on an AMX Xeon).
+               measures it once per machine: on a Zen 4 EPYC in fp32 and bf16, not in bf16 on an AMX Xeon).
      prompts   (CPU with the C++ kernel) prefill chunks (`PromptChunk`) follow the kernel's rows, each
                in one `F.scaled_dot_product_attention` call of its own: a chunk that starts its request's
                context attends to its own k/v, causal, what transformers runs on a prompt, so the same

@@ -183,12 +183,7 @@ inline void score_head(const scalar_t* const (&rows)[kLanes], const float* qh, i
     for (int c = 1; c < chunks; ++c) sum += qr[c] * k[c];
     partial[t] = sum;
   }
-  const vf total = transpose_sum(partial);
-  if (n == kLanes) {
-    std::memcpy(out, &total, sizeof total);
-  } else {
-    for (int64_t t = 0; t < n; ++t) out[t] = total[t];
-  }
+  store_lanes(transpose_sum(partial), out, n);
 }
 
 template <int D, typename scalar_t>
@@ -517,40 +512,14 @@ constexpr bool kBf16Dot = true;
 // a pair holds the chain's earlier dim in its high half, on both sides. Tiles tiles at a time give a head
 // that many independent chains (with_tiles says how many).
 
-// m[w] lane t <- m[t] lane w for a kLanes x kLanes block of 32-bit words (butterflies 1, 2, 4, 8 apart):
-// per stage, lanes with bit B set trade places between vectors r and r | B.
-struct ButterflyIndex {
-  alignas(64) int32_t keep[kLanes], swap[kLanes];
-  constexpr explicit ButterflyIndex(int b) : keep{}, swap{} {
-    for (int c = 0; c < kLanes; ++c) {
-      keep[c] = (c & b) ? kLanes + (c ^ b) : c;
-      swap[c] = (c & b) ? kLanes + c : (c | b);
-    }
-  }
-};
-
-template <int B>
-inline void transpose_stage(__m512i* m) {
-  static constexpr ButterflyIndex index{B};
-  const __m512i keep = _mm512_load_si512(index.keep), swap = _mm512_load_si512(index.swap);
-  for (int r = 0; r < kLanes; ++r) {
-    if (r & B) continue;
-    const __m512i a = m[r], b = m[r | B];
-    m[r] = _mm512_permutex2var_epi32(a, keep, b);
-    m[r | B] = _mm512_permutex2var_epi32(a, swap, b);
-  }
-}
-
-// words[w] lane t = the 32-bit word w (dims 2w, 2w + 1) of key t's row.
+// words[w] lane t = the 32-bit word w (dims 2w, 2w + 1) of key t's row (transpose_lanes, vector.h).
 template <int D>
 inline void transpose_words(const at::BFloat16* const (&rows)[kLanes], __m512i* words) {
   for (int block = 0; block < D / (2 * kLanes); ++block) {
-    __m512i* m = words + block * kLanes;
-    for (int t = 0; t < kLanes; ++t) m[t] = _mm512_loadu_si512(rows[t] + block * 2 * kLanes);
-    transpose_stage<1>(m);
-    transpose_stage<2>(m);
-    transpose_stage<4>(m);
-    transpose_stage<8>(m);
+    vf m[kLanes];  // the words moved as fp32 lanes: the same bits
+    for (int t = 0; t < kLanes; ++t) m[t] = (vf)_mm512_loadu_si512(rows[t] + block * 2 * kLanes);
+    transpose_lanes(m);
+    for (int t = 0; t < kLanes; ++t) words[block * kLanes + t] = (__m512i)m[t];
   }
 }
 
@@ -644,10 +613,8 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
           }
         }
         for (int64_t tile = 0; tile < used; ++tile) {
-          alignas(64) float out[kLanes];
-          _mm512_store_ps(out, _mm512_mul_ps(total[tile], _mm512_set1_ps(scale)));
           const int64_t at = first + tile * kLanes, n = std::min<int64_t>(kLanes, length - at);
-          std::memcpy(scores + head * length + at, out, n * sizeof(float));
+          store_lanes((vf)_mm512_mul_ps(total[tile], _mm512_set1_ps(scale)), scores + head * length + at, n);
         }
       }
     }

@@ -2,9 +2,9 @@
 
 On a CPU with the C++ kernel the ModelRunner attends a chunk that starts its request's context apart from
 the kernel's rows, with one SDPA call over its own keys (engine.attention `prompts`): the call transformers
-makes on a prompt (unless engine.prompt_attention measured the kernel clearly faster on the machine, as in bf16
-on a Zen 4 EPYC: there a prompt's bf16 hidden state can differ by one bf16 step, and the test forces SDPA, whose
-property it is). A prompt alone in its step then passes through the same operations on the same shapes as
+makes on a prompt (unless engine.prompt_attention measured the kernel clearly faster on the machine, as on a
+Zen 4 EPYC: there a prompt's hidden state can differ in its last bits, and the test forces SDPA, whose property
+it is). A prompt alone in its step then passes through the same operations on the same shapes as
 in transformers' forward, so the final norm's output at its last position (what the LM head turns into the
 first token's logits) is the same bits, on every CPU (the kernel's sums follow torch's only where they were
 measured, and never exactly for long prompts). The linear layers stay torch's here: in float32 a prompt of
