@@ -12,16 +12,35 @@ disabled) the pages are ordinary ones.
 Measured on an AMD EPYC (Zen 4), one thread, float32: one pass over SmolLM2-135M's linear layers for
 4 rows 22.8-23.7 -> 21.6-22.5 ms, for 8 rows 37.9-38.8 -> 36.6-37.6 ms; decode attention at batch 64
 61.3 -> 56.3 ms per step (bf16 44.0 -> 43.0).
+
+The tensors a step makes and frees (activations, logits: a few MB each) are another matter: glibc's malloc
+gives an allocation that large a fresh mapping of its own, or trims the heap under it when it is freed, so
+every step faulted its activations in again, page by page, each page zeroed by the kernel (143,000 faults
+and 0.22 s of system time in a 2.4 s bf16 prefill step of 2048 tokens). `keep_freed_memory()` tells malloc
+to keep what is freed for the next step, as the caching allocator does on a GPU; engine.model_runner's
+`install_kernels` calls it on a CPU, once per process. Measured on that EPYC (the engine stepping in a thread
+of its own, as in a worker; bf16, 1 thread): 7 prompts of 292 tokens 2.34 -> 2.23 s, 32 requests' decode
+steps 13.5 -> 12.3 s; float32 3-4 % less.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
 import mmap
+import platform
+from functools import cache
 
 import torch
 
 HUGE_PAGE = 2 << 20
+
+KEPT_ALLOCATION_BYTES = 256 << 20
+"""Allocations below this come from malloc's heap and are reused after they are freed; 256 MiB holds a 2048-token
+step's activations of an 8B model in float32 (a larger one, such as a whole prompt's logits, is mapped as before)."""
+KEPT_FREE_BYTES = 512 << 20
+"""Free memory at the top of the heap that malloc keeps instead of giving it back to the kernel."""
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_ARENA_MAX = -1, -3, -8  # malloc.h
 
 
 def empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -49,3 +68,17 @@ def zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 def huge_copy(tensor: torch.Tensor) -> torch.Tensor:
     """A contiguous copy of a CPU tensor in memory from `empty()`."""
     return empty(tuple(tensor.shape), tensor.dtype).copy_(tensor)
+
+
+@cache
+def keep_freed_memory() -> bool:
+    """Set glibc's malloc, for the whole process, to serve allocations below KEPT_ALLOCATION_BYTES from its heap,
+    to keep up to KEPT_FREE_BYTES of free heap, and to use that one heap from every thread (an engine steps in
+    a thread of its own in a worker: engine.async_engine; per-thread heaps are at most 64 MiB and give memory
+    back on their own terms). So a step's tensors land in pages the previous step touched. The process's
+    resident memory then stays near its peak. Returns False where the C library is not glibc (nothing changed)."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)
+    return all(libc.mallopt(option, value) == 1 for option, value in (
+        (_M_MMAP_THRESHOLD, KEPT_ALLOCATION_BYTES), (_M_TRIM_THRESHOLD, KEPT_FREE_BYTES), (_M_ARENA_MAX, 1)))

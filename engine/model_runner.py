@@ -30,7 +30,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from engine import attention, kernels, linears, llama_layers, paged_decode, prompt_attention, triton_layers
+from engine import attention, host_memory, kernels, linears, llama_layers, paged_decode, prompt_attention, triton_layers
 from engine.attention import AttentionMetadata, DecodeBatch, DecodeRows, block_table, decode_rows, prefill_batch, prompt_chunk
 from engine.cuda_graphs import DecodeGraphs
 from engine.kv_cache import KVCache
@@ -59,12 +59,14 @@ def _attended_apart(item: StepItem, whole_prompts_apart: bool) -> bool:
 def install_kernels(model: torch.nn.Module, device: torch.device | str) -> LoneRows | None:
     """What a runner installs on its model, each part giving transformers' bits: the one-pass rotary embedding and
     RMSNorm (engine.llama_layers: the C++ kernels on a CPU where they build, triton's on CUDA where it is there)
-    and, on a CPU, each linear layer's kernel (engine.linears, whose LoneRows it returns). bench.ceilings installs
-    the same, so that its attention-free ceilings run what the engine runs."""
+    and, on a CPU, each linear layer's kernel (engine.linears, whose LoneRows it returns) and malloc's settings for
+    the step's tensors (engine.host_memory.keep_freed_memory). bench.ceilings installs the same, so that its
+    attention-free ceilings run what the engine runs."""
     if torch.device(device).type == "cuda":
         if triton_layers.available():
             llama_layers.install(model, triton_layers)
         return None
+    host_memory.keep_freed_memory()
     built = kernels.load()
     if built is not None:
         llama_layers.install(model, built)

@@ -574,11 +574,15 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
   for (int64_t first = 0; first < length; first += Tiles * kLanes) {
     const int64_t used = std::min<int64_t>(Tiles, (length - first + kLanes - 1) / kLanes);
     for (int64_t kvh = 0; kvh < g.kv_heads; ++kvh) {
-      for (int64_t tile = 0; tile < used; ++tile) {
-        const at::BFloat16* rows[kLanes];
+      for (int64_t tile = 0; tile < Tiles; ++tile) {  // past the row's end (tile >= used): zeros, dotted and not stored
         __m512i words[pairs];
-        tile_rows<D>(key, offsets, length, first + tile * kLanes, kvh, g, rows);
-        transpose_words<D>(rows, words);
+        if (tile < used) {
+          const at::BFloat16* rows[kLanes];
+          tile_rows<D>(key, offsets, length, first + tile * kLanes, kvh, g, rows);
+          transpose_words<D>(rows, words);
+        } else {
+          for (auto& w : words) w = _mm512_setzero_si512();
+        }
         if (any_one)
           for (int c = 0; c < pairs; ++c) one[tile][c] = one_chain_pair(words[c]);
         if (any_four) four_chain_pairs<D>(words, four[tile]);
@@ -598,21 +602,21 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
           for (int k = 0; k < chain_pairs; ++k)
             for (int chain = 0; chain < 4; ++chain) {
               const __m512bh qc = pair_of(chain * chain_pairs + k);
-              for (int64_t tile = 0; tile < Tiles; ++tile)
-                if (tile < used)
-                  acc[tile][chain] = _mm512_dpbf16_ps(acc[tile][chain], (__m512bh)four[tile][chain * chain_pairs + k], qc);
+              for (int tile = 0; tile < Tiles; ++tile)
+                acc[tile][chain] = _mm512_dpbf16_ps(acc[tile][chain], (__m512bh)four[tile][chain * chain_pairs + k], qc);
             }
-          for (int64_t tile = 0; tile < used; ++tile)
+          for (int tile = 0; tile < Tiles; ++tile)
             total[tile] = _mm512_add_ps(_mm512_add_ps(acc[tile][0], acc[tile][2]), _mm512_add_ps(acc[tile][1], acc[tile][3]));
         } else {
           for (auto& t : total) t = _mm512_setzero_ps();
           for (int c = 0; c < pairs; ++c) {
             const __m512bh qc = pair_of(c);
-            for (int64_t tile = 0; tile < Tiles; ++tile)
-              if (tile < used) total[tile] = _mm512_dpbf16_ps(total[tile], (__m512bh)one[tile][c], qc);
+            for (int tile = 0; tile < Tiles; ++tile) total[tile] = _mm512_dpbf16_ps(total[tile], (__m512bh)one[tile][c], qc);
           }
         }
-        for (int64_t tile = 0; tile < used; ++tile) {
+#pragma GCC unroll 8
+        for (int tile = 0; tile < Tiles; ++tile) {  // unrolled: a loop over `total` would keep it in memory (a store per dot)
+          if (tile == used) break;
           const int64_t at = first + tile * kLanes, n = std::min<int64_t>(kLanes, length - at);
           store_lanes((vf)_mm512_mul_ps(total[tile], _mm512_set1_ps(scale)), scores + head * length + at, n);
         }
@@ -677,17 +681,15 @@ void weigh_pairs_bf16(const uint32_t* weights, const int64_t* heads, int64_t str
       }
     }
   }
+  // The unpacks' lane order undone in registers: 128-bit lane k of `lo` holds dims 8k .. 8k + 3 of the pair's 32,
+  // of `hi` dims 8k + 4 .. 8k + 7. (Through arrays and a loop over lanes, the sums stayed in memory: a store per add.)
+  const __m512i first_half = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second_half = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int j = 0; j < N; ++j) {
     float* o = acc + heads[j] * D;
     for (int c = 0; c < pairs; ++c) {
-      alignas(64) float low[kLanes], high[kLanes];
-      _mm512_store_ps(low, sums[j][2 * c]);
-      _mm512_store_ps(high, sums[j][2 * c + 1]);
-      for (int lane = 0; lane < kLanes; ++lane) {  // unpack lane -> dim: 8 dims per 128-bit lane, 4 from each half
-        const int dim = c * 2 * kLanes + 8 * (lane / 4) + lane % 4;
-        o[dim] = low[lane];
-        o[dim + 4] = high[lane];
-      }
+      _mm512_storeu_ps(o + c * 2 * kLanes, _mm512_permutex2var_ps(sums[j][2 * c], first_half, sums[j][2 * c + 1]));
+      _mm512_storeu_ps(o + c * 2 * kLanes + kLanes, _mm512_permutex2var_ps(sums[j][2 * c], second_half, sums[j][2 * c + 1]));
     }
   }
 }
