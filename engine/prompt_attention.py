@@ -3,9 +3,9 @@
 Both sum as transformers does (the kernel as torch's CPU flash attention, on the CPUs where that order was
 measured), so the choice is speed alone, and it differs between CPUs: on an Intel Xeon with AMX torch's flash
 attention packs a bf16 prompt for the AMX tiles and attends it ~3x faster than the kernel; on a Zen 4 EPYC
-(AVX512-BF16, no AMX) the kernel's bf16 dot products attend it 2-3.5x faster than SDPA (prompts of 128 and 512
-tokens, 1 thread; 1.5-1.7x before its V pass kept its sums in registers), and in float32 the kernel, which scores a prompt's K tiles transposed, takes 0.53 of SDPA's
-time (4.8 against 8.9 ms).
+(AVX512-BF16, no AMX) the kernel's bf16 dot products attend it 2-3.5x faster than SDPA (prompts of 128 and
+512 tokens, 1 thread; 1.5-1.7x before its passes kept their sums in registers), and in float32 the kernel, which
+scores a prompt's K tiles transposed, takes 0.53 of SDPA's time (4.8 against 8.9 ms).
 
 SDPA is the call transformers makes on a prompt, so through it a prompt alone in its step reaches the LM head
 as transformers' own bits (tests/unit/test_engine_prompt_logits.py); the kernel's sums follow torch's only where
