@@ -18,9 +18,9 @@
 // conversions: both passes use the bf16 dot-product instruction on the rows as stored (products exact in
 // fp32, sums in fp32), and sum in the order of torch's CPU flash attention (what transformers' SDPA runs),
 // so that a bf16 decode or prompt gives transformers' bits (score_keys_bf16, score_keys_bf16_chains for
-// decodes, softmax_rows, weigh_values_bf16 say how). A query after cached keys (a row verifying proposals, a later prefill chunk)
-// is softmaxed and summed as a decode of its own length, so it gives bit for bit what that one-query row
-// gives; a whole prompt's queries are softmaxed over the prompt's length, as torch does.
+// decodes, softmax_rows, weigh_values_bf16 say how). A query after cached keys (a row verifying proposals, a
+// later prefill chunk) is softmaxed and summed as a decode of its own length, so it gives bit for bit what
+// that one-query row gives; a whole prompt's queries are softmaxed over the prompt's length, as torch does.
 // Shapes: q [T, H, D]; key/value [blocks, block_size, Hkv, D] (head_dim contiguous); block_table [B, W]
 // int32 or int64; context_lens [B] (same dtype); query_starts [B + 1] (same dtype, optional: row b's
 // queries are q[query_starts[b] : query_starts[b + 1]]; without it T = B, one query per row); returns
@@ -626,12 +626,12 @@ void score_keys_bf16(const at::BFloat16* q, int64_t first_query, int64_t queries
   }
 }
 
-// score_keys_bf16 for a task of few queries that all sum in four chains (decodes, rows verifying a few proposed
-// tokens), without transposing keys to one per 32-bit lane: one key per 128-bit lane, four chains per key. A key's dims 8k .. 8k + 7 are
-// 16 bytes of its row; step k of chain j takes dims 8k + j (high half) and 8k + 4 + j (low half), the word a byte
-// shuffle puts in 32-bit lane j of those 16 bytes, so a vector of four keys' step-k bytes (a 4 x 4 transpose of
-// 128-bit lanes from their rows) runs four keys' four chains at once against the query's step-k word pattern
-// repeated. The chains are added as (0 + 2) + (1 + 3) inside each 128-bit lane, as score_keys_bf16 adds them:
+// score_keys_bf16 for a task of few queries that all sum in four chains (decodes, rows verifying a few
+// proposed tokens), without transposing keys to one per 32-bit lane: one key per 128-bit lane, four chains per
+// key. A key's dims 8k .. 8k + 7 are 16 bytes of its row; step k of chain j takes dims 8k + j (high half) and
+// 8k + 4 + j (low half), the word a byte shuffle puts in 32-bit lane j of those 16 bytes, so a vector of four
+// keys' step-k bytes (a 4 x 4 transpose of 128-bit lanes from their rows) runs four keys' four chains at once
+// against the query's step-k word pattern repeated. The chains are added as (0 + 2) + (1 + 3) inside each 128-bit lane, as score_keys_bf16 adds them:
 // the same bits with a third fewer instructions per key (score_keys_bf16 transposes each 16 keys' words, then
 // moves their halves into the chains' pairs, then broadcasts a query pair per instruction). On an AMD EPYC
 // (Zen 4), 1 thread, bf16 decode attention at batch 64 over <= 400 keys, 30 layers: 36 -> 29 ms with the keys'
@@ -832,8 +832,7 @@ void attend_row(const scalar_t* q, const scalar_t* key, const scalar_t* value, c
       score_keys_bf16_chains<D>(q, first_query, queries, scale, key, value, offsets, length, g, scores);
     else
       with_tiles(queries, [&](auto tiles) {
-      score_keys_bf16<D, decltype(tiles)::value>(q, first_query, queries, scale, FourChains{prompt_length, row_query}, key, value,
-                                                 offsets, length, g, scores);
+        score_keys_bf16<D, decltype(tiles)::value>(q, first_query, queries, scale, four_chains, key, value, offsets, length, g, scores);
       });
   } else if (prompt_length && queries > kFewQueries)
     score_keys_transposed<D>(qf, queries, key, value, offsets, length, g, scores);
