@@ -88,8 +88,33 @@ async def set_serving(health_servicer: health.aio.HealthServicer, service_names:
         await health_servicer.set(name, status)
 
 
+READY_MARK = '{"event": "ready"'
+_stdout_lock = threading.Lock()
+
+
+def emit_event(event: dict) -> None:
+    """One JSON line on stdout in a single write, whichever thread emits it: stderr often shares the pipe
+    (Ray forwards its actors' logs there), and `print` writes the text and its newline separately, so
+    another line could land between them."""
+    with _stdout_lock:
+        sys.stdout.write(json.dumps(event) + "\n")
+        sys.stdout.flush()
+
+
 def announce_ready(**fields) -> None:
-    print(json.dumps({"event": "ready", "pid": os.getpid(), **fields}), flush=True)
+    emit_event({"event": "ready", "pid": os.getpid(), **fields})
+
+
+def parse_ready(line: str) -> dict | None:
+    """The ready event in one line of a process's output, or None; text before or after it is ignored."""
+    start = line.find(READY_MARK)
+    if start < 0:
+        return None
+    try:
+        event, _ = json.JSONDecoder().raw_decode(line, start)
+    except json.JSONDecodeError:
+        return None
+    return event
 
 
 async def serve_until_signalled(

@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import signal
 import sys
 import threading
@@ -34,6 +33,7 @@ from ray.util.placement_group import get_placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from common.config import PdserveConfig
+from common.serving import announce_ready
 from deploy import role
 from deploy.commands import SHUTDOWN_GRACE_S, custom_resources, format_status, logical_cpus, parse_scale_targets
 from deploy.controller import CONTROLLER_NAME, Controller, DeployOptions
@@ -155,9 +155,7 @@ def _ray_died() -> int:
 
 def _print_ready(endpoints: dict) -> None:
     ray_address = ray.get_runtime_context().gcs_address
-    event = {"event": "ready", "role": "pdserve", "pid": os.getpid(), "address": endpoints["grpc"],
-             **endpoints, "ray_address": ray_address, "namespace": NAMESPACE}
-    print(json.dumps(event), flush=True)
+    announce_ready(role="pdserve", address=endpoints["grpc"], **endpoints, ray_address=ray_address, namespace=NAMESPACE)
     print(f"pdserve ready: grpc={endpoints['grpc']} http={endpoints['http']} ray={ray_address}", flush=True)
 
 

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import logging
 import time
+from functools import partial
 
 import torch
 
@@ -77,8 +78,8 @@ def measure(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_
         key_pool, value_pool = pool.key_caches[0], pool.value_caches[0]
         lens, starts = torch.tensor([length], dtype=torch.int32), torch.tensor([0, length], dtype=torch.int32)
         paths = {
-            "kernel": lambda: built.paged_decode(q, key_pool, value_pool, table.unsqueeze(0), lens, scale, starts),
-            "sdpa": lambda: prompts_through_sdpa(q, k, v, key_pool, value_pool, [PromptChunk(length)], scale),
+            "kernel": partial(built.paged_decode, q, key_pool, value_pool, table.unsqueeze(0), lens, scale, starts),
+            "sdpa": partial(prompts_through_sdpa, q, k, v, key_pool, value_pool, [PromptChunk(length)], scale),
         }
         for _ in range(ROUNDS):
             for name, run in paths.items():

@@ -12,7 +12,6 @@ Workers register at the router's internal address (its ready line's `internal_ad
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -25,6 +24,7 @@ from pathlib import Path
 import grpc
 import yaml
 
+from common.serving import parse_ready
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -94,8 +94,9 @@ def start_process(name: str, args: list[str], env: dict | None = None, timeout: 
     def pump() -> None:
         for line in popen.stdout:
             lines.append(line.rstrip())
-            if not got_ready.is_set() and line.startswith('{"event": "ready"'):
-                ready.update(json.loads(line))
+            event = None if got_ready.is_set() else parse_ready(line)
+            if event is not None:
+                ready.update(event)
                 got_ready.set()
 
     threading.Thread(target=pump, daemon=True).start()

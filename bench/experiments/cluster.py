@@ -14,7 +14,6 @@ The router stays unpinned. Worker logs go to `log_dir`.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import shutil
@@ -29,6 +28,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+
+from common.serving import parse_ready
 
 log = logging.getLogger("bench.cluster")
 REPO = Path(__file__).resolve().parents[2]
@@ -80,8 +81,9 @@ def launch(name: str, args: list[str], log_path: Path, core: int | None = None, 
                 sink.flush()
                 proc.lines.append(line.rstrip())
                 del proc.lines[:-200]
-                if not got_ready.is_set() and line.startswith('{"event": "ready"'):
-                    proc.ready.update(json.loads(line))
+                event = None if got_ready.is_set() else parse_ready(line)
+                if event is not None:
+                    proc.ready.update(event)
                     got_ready.set()
 
     threading.Thread(target=pump, daemon=True, name=f"log-{name}").start()

@@ -15,16 +15,9 @@ import time
 
 import grpc
 
+from common.serving import emit_event
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-
-_print_lock = threading.Lock()
-
-
-def emit(event: dict) -> None:
-    with _print_lock:  # one whole line per event, whichever thread prints
-        sys.stdout.write(json.dumps(event) + "\n")
-        sys.stdout.flush()
 
 
 def run_stream(stub: pb_grpc.RouterStub, index: int, prompt: list[int], max_tokens: int, out: list[dict]) -> None:
@@ -36,7 +29,7 @@ def run_stream(stub: pb_grpc.RouterStub, index: int, prompt: list[int], max_toke
     try:
         for response in stub.Generate(request, timeout=600):
             if not tokens and response.chunk.token_ids:
-                emit({"event": "streaming", "index": index})
+                emit_event({"event": "streaming", "index": index})
             tokens.extend(response.chunk.token_ids)
             if response.finish_reason:
                 result["finish"] = pb.FinishReason.Name(response.finish_reason)
@@ -62,7 +55,7 @@ def main() -> int:
                 t.join()
         for t in threads:
             t.join()
-    emit({"event": "done", "results": out})
+    emit_event({"event": "done", "results": out})
     return 0
 
 

@@ -13,18 +13,14 @@ on its own host (UCX with shared memory: what every release before the per-peer 
 from __future__ import annotations
 
 import asyncio
-import json
 import sys
 import time
 
 import torch
 
+from common.serving import emit_event
 from kvtransfer import KVEndpoint, KVReceiver, KVSender
 from tests.unit.test_kvtransfer_transfer import DST_BLOCKS, FP, LAYOUT, SRC_BLOCKS, N, filled_cache, header
-
-
-def emit(event: dict) -> None:
-    print(json.dumps(event), flush=True)
 
 
 async def receive(host: str, transport: str, timeout: float) -> None:
@@ -32,7 +28,7 @@ async def receive(host: str, transport: str, timeout: float) -> None:
 
     dst = KVCache(LAYOUT, num_blocks=16)
     async with KVReceiver(dst, transport, host=host, settle_timeout=2.0) as receiver:
-        emit({"event": "ready", "port": receiver.endpoint.port})
+        emit_event({"event": "ready", "port": receiver.endpoint.port})
         started = time.monotonic()
         result: dict = {"event": "result", "ok": False, "error": None}
         try:
@@ -43,7 +39,7 @@ async def receive(host: str, transport: str, timeout: float) -> None:
         except Exception as exc:  # noqa: BLE001 - reported to the test
             result["error"] = f"{type(exc).__name__}: {exc}"
         result.update(elapsed_s=time.monotonic() - started, pending=receiver.pending)
-        emit(result)
+        emit_event(result)
         await asyncio.to_thread(sys.stdin.readline)  # stay up until the sender has its answer
 
 
@@ -64,7 +60,7 @@ def send(host: str, port: int, transport: str, same_host: bool) -> None:
         except Exception as exc:  # noqa: BLE001
             result["error"] = f"{type(exc).__name__}: {exc}"
     result["elapsed_s"] = time.monotonic() - started
-    emit(result)
+    emit_event(result)
 
 
 def main() -> int:
