@@ -323,6 +323,15 @@ class KVSender:
             raise RuntimeError("KVSender is closed")
         return OutgoingTransfer(self, endpoint, header, ack_timeout if ack_timeout is not None else self.ack_timeout)
 
+    def prepare(self, transport: str, timeout: float = 60.0) -> None:
+        """Pay `transport`'s one-time setup on this sender's loop now, not in the first transfer (call it
+        from another thread than the loop's, e.g. while the worker starts)."""
+
+        async def on_loop() -> None:
+            await self._transport(transport).prepare()
+
+        asyncio.run_coroutine_threadsafe(on_loop(), self.loop).result(timeout)
+
     def _transport(self, name: str) -> Transport:
         if name not in self._transports:
             self._transports[name] = get_transport(name, **self._transport_options.get(name, {}))

@@ -34,7 +34,10 @@ log = logging.getLogger(__name__)
 
 
 def make_sender(kv: KVTransferConfig, secret: bytes, faults=None) -> KVSender:
-    return KVSender(ack_timeout=kv.timeout_s, faults=faults, secret=secret, wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
+    """The worker's (or rank's) KV sender, its transport set up before the first request needs it."""
+    sender = KVSender(ack_timeout=kv.timeout_s, faults=faults, secret=secret, wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
+    sender.prepare(kv.transport)
+    return sender
 
 
 class PrefillRank:

@@ -17,7 +17,7 @@ import time
 
 from bench.experiments import common, report
 
-EXPERIMENTS = ("static_vs_continuous", "prefill_interference", "goodput", "kv_transfer")
+EXPERIMENTS = ("static_vs_continuous", "prefill_interference", "goodput", "kv_transfer", "first_request")
 
 
 def main(argv: list[str] | None = None) -> int:

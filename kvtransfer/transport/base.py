@@ -96,6 +96,12 @@ class Transport(ABC):
 
     name: str
 
+    async def prepare(self) -> None:
+        """Set up on the running loop what its first connection would otherwise wait for (UCX: a context
+        and worker, ~0.4 s); listeners call it before they bind, senders when their worker starts. Most
+        transports have nothing to set up."""
+        return
+
     @abstractmethod
     async def listen(self, host: str, port: int, on_channel: ChannelHandler) -> Listener: ...
 

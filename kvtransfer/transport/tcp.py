@@ -338,6 +338,7 @@ class TcpTransport(Transport):
         return channel
 
     async def listen(self, host: str, port: int, on_channel: ChannelHandler) -> TcpListener:
+        await self.prepare()
         loop = asyncio.get_running_loop()
         tasks: set[asyncio.Task[Any]] = set()
 

@@ -1,7 +1,8 @@
 """UCX transport (ucxx): control frames on a TCP connection, payloads as tagged UCX messages.
 
 Lifecycle: each event loop that talks UCX gets one `UcxWorker` (its own UCX context and worker),
-created on first use and driven by that loop; nothing else touches it, so a sender thread and a
+created by `prepare` (a listener's loop before it binds, a KV sender's when its worker starts: the
+context costs ~0.4 s, which a fresh cluster's first transfer paid on both ends) and driven by that loop; nothing else touches it, so a sender thread and a
 receiver loop in one process never share UCX state. A receiver's listener is the TCP listener
 of `kvtransfer.transport.tcp`, whose HELLO also carries the receiver's UCX worker address; the
 sender creates one UCX endpoint from that address per connection and aborts it when the
@@ -417,6 +418,9 @@ class UcxTransport(TcpTransport):
 
     def __init__(self, window: int = 64):
         self.window = window
+
+    async def prepare(self) -> None:
+        UcxWorker.for_running_loop()
 
     def _make_channel(self, protocol: FramedProtocol) -> UcxChannel:
         return UcxChannel(protocol, UcxWorker.for_running_loop(), self.window)

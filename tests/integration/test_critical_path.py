@@ -44,8 +44,8 @@ def cluster(tmp_path_factory):
                           router={"local_prefill_threshold": LOCAL_THRESHOLD})
     with LocalCluster(config, num_prefill=1, num_decode=1) as c:
         # One request down each path first: a fresh cluster's first request also pays what no stage owns and
-        # only it pays (channels and UCX endpoints opened, modules imported on first use: 0.42 s of a 0.97 s
-        # request in one CI run), and the stages are checked on requests that pay only their own work.
+        # only it pays (gRPC channels and UCX endpoints opened, modules imported on first use), and the stages
+        # are checked on requests that pay only their own work.
         for warm_up in (list(range(100, 100 + 2 * LOCAL_THRESHOLD)), list(range(100, 105))):
             generate(c.router.address, warm_up, 2, ignore_eos=True)
         yield c
