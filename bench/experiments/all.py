@@ -17,7 +17,7 @@ import time
 
 from bench.experiments import common, report
 
-EXPERIMENTS = ("static_vs_continuous", "prefill_interference", "goodput", "kv_transfer", "first_request")
+EXPERIMENTS = tuple(experiment for _, experiment, _ in report.SECTIONS)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -45,12 +46,9 @@ def header(report: dict[str, Any]) -> list[str]:
     return lines + [""]
 
 
-def section_static(r: dict[str, Any] | None) -> list[str]:
-    lines = ["### Static vs continuous batching", ""]
-    if r is None:
-        return lines + ["Not run yet: `python -m bench.experiments.static_vs_continuous`.", ""]
+def section_static(r: dict[str, Any]) -> list[str]:
     w = r["workload"]
-    lines += [f"{w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} random token ids, "
+    lines = [f"{w['num_requests']} requests, prompts {w['prompt_len'][0]}-{w['prompt_len'][1]} random token ids, "
               f"outputs {w['output_len'][0]}-{w['output_len'][1]} tokens (greedy, EOS ignored), seed {w['seed']}; "
               f"{r['torch_threads']} torch thread(s). The offline rows are bench/engine.py's phases; the served row sends "
               "the same requests through the router to one colocated decode worker, all at once."]
@@ -66,12 +64,9 @@ def section_static(r: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def section_interference(r: dict[str, Any] | None) -> list[str]:
-    lines = ["### Prefill interference", ""]
-    if r is None:
-        return lines + ["Not run yet: `python -m bench.experiments.prefill_interference`.", ""]
+def section_interference(r: dict[str, Any]) -> list[str]:
     p = r["params"]
-    lines += [f"{p['steady']} steady requests ({p['steady_prompt_len']}-token prompts, long outputs, cancelled {p['tail_s']:g} s after "
+    lines = [f"{p['steady']} steady requests ({p['steady_prompt_len']}-token prompts, long outputs, cancelled {p['tail_s']:g} s after "
               f"the last burst request finished) decode; {p['burst_at']:g} s in, "
               f"{p['burst_size']} prompts of {p['burst_prompt_len']} tokens arrive at once. Every worker is pinned to its own core "
               "(`taskset`) with one torch thread; the router and the load generator share the machine unpinned. "
@@ -101,13 +96,10 @@ def section_interference(r: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def section_goodput(r: dict[str, Any] | None) -> list[str]:
-    lines = ["### Goodput: disaggregated vs colocated", ""]
-    if r is None:
-        return lines + ["Not run yet: `python -m bench.experiments.goodput`.", ""]
+def section_goodput(r: dict[str, Any]) -> list[str]:
     p = r["params"]
     slos = " and ".join(f"{k.upper()} <= {v:g} ms" for k, v in r["slos_ms"].items())
-    lines += [f"Two cores either way: 1 prefill + 1 decode worker, or 2 colocated decode workers, each pinned to its own core "
+    lines = [f"Two cores either way: 1 prefill + 1 decode worker, or 2 colocated decode workers, each pinned to its own core "
               f"with one torch thread; chunked prefill with a {p['budget']}-token step budget. {p['num_prompts']} requests per "
               f"rate from the chat-like length mix (scale {p['chat_scale']}), Poisson arrivals. Goodput = requests/s meeting {slos}."]
     lines += header(r)
@@ -122,11 +114,8 @@ def section_goodput(r: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def section_kv(r: dict[str, Any] | None) -> list[str]:
-    lines = ["### KV transfer cost", ""]
-    if r is None:
-        return lines + ["Not run yet: `python -m bench.experiments.kv_transfer`.", ""]
-    lines += ["One prefill worker P (core 0) and one decode worker D (core 1), one torch thread each; the script plays the router "
+def section_kv(r: dict[str, Any]) -> list[str]:
+    lines = ["One prefill worker P (core 0) and one decode worker D (core 1), one torch thread each; the script plays the router "
               "so it can read both sides. *prefill alone*: `Prefill` with no destination (separate requests); *compute*: P's "
               "prefill with the transfer running; *exposed*: P's time from the end of its forward to D's ack; *forward end -> "
               "first token*: from the end of P's forward to D streaming the first token, same request (exposed transfer + D's "
@@ -157,11 +146,8 @@ def section_kv(r: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def section_first_request(r: dict[str, Any] | None) -> list[str]:
-    lines = ["### A fresh cluster's first request", ""]
-    if r is None:
-        return lines + ["Not run yet: `python -m bench.experiments.first_request`.", ""]
-    lines += ["A fresh router + prefill + decode cluster per row, disaggregated requests one after another through the "
+def section_first_request(r: dict[str, Any]) -> list[str]:
+    lines = ["A fresh router + prefill + decode cluster per row, disaggregated requests one after another through the "
               "router (fresh random 64-token prompts, 4 tokens each). *cold extra*: the first request's wall time minus "
               "the median of the same cluster's later ones; *where*: the stages (router.critical_path) that paid more "
               "than 5 ms of it. Workers set their KV transport up while they start (UCX's context: ~0.4 s that a "
@@ -173,6 +159,25 @@ def section_first_request(r: dict[str, Any] | None) -> list[str]:
         lines.append(f"| {res['transport']} | {res['first_wall_s'] * 1000:.0f} | {res['later_wall_median_s'] * 1000:.0f} | "
                      f"{res['cold_extra_s'] * 1000:.0f} | {where or '-'} |")
     return lines + [""]
+
+
+SECTIONS: tuple[tuple[str, str, Callable[[dict[str, Any]], list[str]]], ...] = (
+    ("Static vs continuous batching", "static_vs_continuous", section_static),
+    ("Prefill interference", "prefill_interference", section_interference),
+    ("Goodput: disaggregated vs colocated", "goodput", section_goodput),
+    ("KV transfer cost", "kv_transfer", section_kv),
+    ("A fresh cluster's first request", "first_request", section_first_request),
+)
+"""(title, experiment, its body from the experiment's JSON): the Serving section's parts in order, and the
+experiments bench.experiments.all runs."""
+
+
+def section(title: str, experiment: str, body: Callable[[dict[str, Any]], list[str]], r: dict[str, Any] | None) -> list[str]:
+    """One part: its title, then its body, or how to make the results it has not got yet."""
+    lines = [f"### {title}", ""]
+    if r is None:
+        return lines + [f"Not run yet: `python -m bench.experiments.{experiment}`.", ""]
+    return lines + body(r)
 
 
 def render() -> str:
@@ -207,11 +212,8 @@ def render() -> str:
         "says how busy it was. Compare rows of one run, not runs of different days.",
         "",
     ]
-    lines += section_static(load("static_vs_continuous"))
-    lines += section_interference(load("prefill_interference"))
-    lines += section_goodput(load("goodput"))
-    lines += section_kv(load("kv_transfer"))
-    lines += section_first_request(load("first_request"))
+    for title, experiment, body in SECTIONS:
+        lines += section(title, experiment, body, load(experiment))
     lines.append(END)
     return "\n".join(lines) + "\n"
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.experiments.report import section_first_request
+from bench.experiments.report import SECTIONS, section, section_first_request
 
 
 def test_table_row_per_cluster_names_the_stages_that_paid_the_cold_extra():
@@ -20,4 +20,7 @@ def test_table_row_per_cluster_names_the_stages_that_paid_the_cold_extra():
 
 
 def test_missing_results_say_how_to_make_them():
-    assert "Not run yet: `python -m bench.experiments.first_request`." in section_first_request(None)
+    lines = section("A fresh cluster's first request", "first_request", section_first_request, None)
+    assert lines[0] == "### A fresh cluster's first request"
+    assert "Not run yet: `python -m bench.experiments.first_request`." in lines
+    assert ("A fresh cluster's first request", "first_request", section_first_request) in SECTIONS
