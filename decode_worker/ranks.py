@@ -4,9 +4,12 @@ Rank 0 is the worker process (gRPC, scheduler, sampler, its own KVReceiver). Eac
 runs a `DecodeRank` (built in its rank process by engine.parallel.follower): a KVReceiver over its
 own pool, which holds only its KV heads, on an event loop thread of its own. Calls from rank 0:
   endpoint  answer with the receiver's KVEndpoint (admissions advertise every rank's);
-  expect    a prompt's pieces into these blocks (kvtransfer.pieces): answer once they landed
-            (bytes) or failed (the error), and only once nothing writes into the blocks any more;
-  cancel    give up on one (client gone, prefill failed).
+  expect    a prompt's pieces into these blocks (kvtransfer.pieces): answer once the receiver expects
+            them (rank 0 sends the admission only then: the prefill worker's first piece may follow it
+            at once);
+  received  answer once the expected pieces landed (bytes) or failed (the error), and only once
+            nothing writes into the blocks any more; rank 0 asks it after every `expect`;
+  cancel    give up on one (client gone, prefill failed); before `received`, it forgets the transfer.
 Rank 0 drives them through `FollowerReceivers`.
 """
 
@@ -36,6 +39,7 @@ class DecodeRank:
         heads = head_range(runtime.layout.num_kv_heads * tp, tp, rank)
         self.receiver = KVReceiver(runtime.kv_cache, settings.kv.transport, host=settings.kv.host, secret=settings.kv_secret, heads=heads)
         asyncio.run_coroutine_threadsafe(self.receiver.start(), self.loop).result(60)
+        self._expected: dict[str, asyncio.Future] = {}  # by transfer id, from `expect` to `received`; on self.loop only
 
     def handle(self, call: Call, respond) -> None:
         verb, transfer_id = call.key
@@ -43,8 +47,10 @@ class DecodeRank:
             respond(self.receiver.endpoint)
         elif verb == "expect":
             self.loop.call_soon_threadsafe(self._expect, transfer_id, call.payload, respond)
+        elif verb == "received":
+            self.loop.call_soon_threadsafe(self._received, transfer_id, respond)
         elif verb == "cancel":
-            self.loop.call_soon_threadsafe(self.receiver.cancel, transfer_id, call.payload)
+            self.loop.call_soon_threadsafe(self._cancel, transfer_id, call.payload)
 
     def _expect(self, transfer_id: str, payload: tuple, respond) -> None:
         block_ids, num_tokens, fingerprint, timeout = payload
@@ -53,11 +59,25 @@ class DecodeRank:
         except (ValueError, RuntimeError) as exc:
             respond(("error", int(ErrorCode.ABORTED), f"cannot expect {transfer_id}: {exc}"))
             return
+        expected.add_done_callback(lambda done: done.cancelled() or done.exception())  # may end unasked (cancelled first)
+        self._expected[transfer_id] = expected
+        respond(("ok", 0))
+
+    def _received(self, transfer_id: str, respond) -> None:
+        expected = self._expected.pop(transfer_id, None)
+        if expected is None:
+            respond(("error", int(ErrorCode.ABORTED), f"{transfer_id} was never expected here"))
+            return
 
         def answer(done: asyncio.Future) -> None:
             respond(("ok", done.result().nbytes) if done.exception() is None else outcome_of(done))
 
         expected.add_done_callback(answer)
+
+    def _cancel(self, transfer_id: str, reason: str) -> None:
+        # Still here only if rank 0 gave up before its admission went out: nothing can write into the blocks.
+        self._expected.pop(transfer_id, None)
+        self.receiver.cancel(transfer_id, reason)
 
     def close(self) -> None:
         asyncio.run_coroutine_threadsafe(self.receiver.close(), self.loop).result(30)
@@ -76,12 +96,17 @@ class FollowerReceivers:
         replies = await self.group.ask(("endpoint", None), dict.fromkeys(self.group.followers))
         return [replies[rank] for rank in self.group.followers]
 
-    async def expect(self, transfer_id: str, block_ids: list[int], num_tokens: int, fingerprint: str, timeout: float) -> int:
+    async def expect(self, transfer_id: str, block_ids: list[int], num_tokens: int, fingerprint: str, timeout: float) -> None:
+        """Returns once every follower expects its pieces; raises the first failure."""
+        if self.group is not None:
+            payload = (block_ids, num_tokens, fingerprint, timeout)
+            bytes_or_raise(await self.group.ask(("expect", transfer_id), dict.fromkeys(self.group.followers, payload)))
+
+    async def received(self, transfer_id: str) -> int:
         """Bytes the followers received, once every one has its pieces; raises the first failure."""
         if self.group is None:
             return 0
-        payload = (block_ids, num_tokens, fingerprint, timeout)
-        return bytes_or_raise(await self.group.ask(("expect", transfer_id), dict.fromkeys(self.group.followers, payload)))
+        return bytes_or_raise(await self.group.ask(("received", transfer_id), dict.fromkeys(self.group.followers)))
 
     def cancel(self, transfer_id: str, reason: str = "cancelled by the decode worker") -> None:
         if self.group is not None:

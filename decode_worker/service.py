@@ -107,9 +107,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         stream = self.engine.open_stream(request_id, params.n)
         transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
         timeout = request.kv_timeout_s or self.kv_timeout_s
-        expected = self._expect(transfer_id, blocks, len(prompt), timeout)
+        expected: asyncio.Future | None = None
         committed = False
         try:
+            expected = await self._expect(transfer_id, blocks, len(prompt), timeout)
             yield pb.DecodeResponse(
                 request_id=request_id,
                 admission=pb.KVAdmission(
@@ -142,15 +143,24 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         finally:
             if not committed:
                 self._give_up(request_id, transfer_id)
-                await asyncio.shield(self._abort_when_settled(request_id, expected))
+                if expected is None:
+                    await asyncio.shield(self.engine.abort(request_id))
+                else:
+                    await asyncio.shield(self._abort_when_settled(request_id, expected))
 
-    def _expect(self, transfer_id: str, blocks: list[int], num_tokens: int, timeout: float) -> asyncio.Future:
-        """Every rank's pieces of the prompt's KV: the future of rank 0's `ReceivedKV` (its trailer has the
-        first token), resolved once the other ranks have theirs too."""
+    async def _expect(self, transfer_id: str, blocks: list[int], num_tokens: int, timeout: float) -> asyncio.Future:
+        """Every rank's pieces of the prompt's KV, expected by every rank when this returns (the admission may
+        go out: a prefill worker sends as soon as it has it): the future of rank 0's `ReceivedKV` (its trailer
+        has the first token), resolved once the other ranks have theirs too."""
         own = self.receiver.expect_pieces(transfer_id, blocks, num_tokens, self.fingerprint, timeout=timeout)
         if self.followers.group is None:
             return own
-        theirs = asyncio.ensure_future(self.followers.expect(transfer_id, blocks, num_tokens, self.fingerprint, timeout))
+        try:
+            await self.followers.expect(transfer_id, blocks, num_tokens, self.fingerprint, timeout)
+        except KVTransferError as exc:  # before any admission: nothing can write into the blocks, fail at once
+            self.receiver.cancel(transfer_id, f"a follower rank cannot expect its pieces: {exc}")
+            self.followers.cancel(transfer_id, "another rank cannot expect its pieces")
+        theirs = asyncio.ensure_future(self.followers.received(transfer_id))
 
         async def every_rank():
             try:
