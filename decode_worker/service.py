@@ -143,10 +143,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         finally:
             if not committed:
                 self._give_up(request_id, transfer_id)
-                if expected is None:
-                    await asyncio.shield(self.engine.abort(request_id))
-                else:
-                    await asyncio.shield(self._abort_when_settled(request_id, expected))
+                await asyncio.shield(self._abort_when_settled(request_id, expected))
 
     async def _expect(self, transfer_id: str, blocks: list[int], num_tokens: int, timeout: float) -> asyncio.Future:
         """Every rank's pieces of the prompt's KV, expected by every rank when this returns (the admission may
@@ -185,11 +182,13 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.receiver.cancel(transfer_id)
         self.followers.cancel(transfer_id)
 
-    async def _abort_when_settled(self, request_id: str, expected: asyncio.Future) -> None:
-        """Free the request's blocks once no write into them can still land (on any rank)."""
-        await asyncio.wait([expected], timeout=self.receiver.settle_timeout + 1)
-        if expected.done() and not expected.cancelled():
-            expected.exception()  # retrieved: the outcome was logged where it happened
+    async def _abort_when_settled(self, request_id: str, expected: asyncio.Future | None) -> None:
+        """Free the request's blocks once no write into them can still land (on any rank); at once when no
+        rank was asked to expect any (`expected` None)."""
+        if expected is not None:
+            await asyncio.wait([expected], timeout=self.receiver.settle_timeout + 1)
+            if expected.done() and not expected.cancelled():
+                expected.exception()  # retrieved: the outcome was logged where it happened
         await self.engine.abort(request_id)
 
     async def _reserve(self, request_id, prompt, params, priority, context) -> list[int]:
