@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import logging
 import statistics
 import sys
@@ -74,6 +73,7 @@ from bench.ceilings import (
 from bench.engine_report import plot, summary
 from bench.engine_workload import Settings, Workload, make_workload
 from bench.hf_baselines import hf_copy, pad_id, run_hf_continuous, run_hf_static
+from bench.history import record
 from bench.measure import Clock, Machine, current_rss_bytes, machine_record, peak_rss_bytes, progress_bar, token_rate
 from common.hardware import auto_dtype
 from engine import Engine, EngineConfig, SamplingParams
@@ -374,14 +374,13 @@ def _dtypes(text: str) -> tuple[str, ...]:
 
 
 def write_result(result: dict, out: Path) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    record(out, result, "engine")
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     settings, out = parse_args(argv)
-    result = run_dtypes(settings)
+    result = {"command": " ".join(["pdserve bench engine", *(sys.argv[1:] if argv is None else argv)]), **run_dtypes(settings)}
     write_result(result, out)
     print(summary(result))
     print(f"wrote {out} and {plot(result, out.with_suffix('.png'))}")

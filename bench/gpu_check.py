@@ -19,6 +19,7 @@ import argparse
 import json
 import sys
 
+from bench import history
 from bench.gpu import sections
 from bench.gpu.device import describe, has_cuda
 from bench.gpu.disagg import section_disaggregated
@@ -49,6 +50,7 @@ def run(s: CheckSettings, out: str | None, only: tuple[str, ...] = SECTIONS) -> 
         if name in only:
             report.section(name, s.budget(name), runners[name])
     report.put("summary", summarize(report.data["sections"]))
+    history.append(report.path, report.data, "gpu_check")
     (folder / "gpu_check.txt").write_text(summary_text(report.data))
     log(f"wrote {report.path} and {folder / 'gpu_check.txt'}")
     return report

@@ -38,7 +38,6 @@ its own process, next to 1 -> 1 in the same run.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import platform
@@ -50,6 +49,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench.history import record
 from bench.kvmethods.base import BYTES_PER_TOKEN, ELEM, HEAD_DIM, HEADS, LAYERS, Method, measure, summarize, timed
 from bench.kvmethods.plain_socket import SocketMethod
 from bench.kvmethods.protocol import PROTOCOL_CONFIGS, ProtocolConfig, ProtocolMethod, bench_protocol
@@ -242,9 +242,7 @@ def main_tensor_parallel(args: argparse.Namespace, tokens: list[int], repeats: i
               **bench_tensor_parallel(tokens, repeats)}
     report["duration_s"] = round(time.time() - started, 1)
     out = TP_OUT if args.out == DEFAULT_OUT else args.out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=2) + "\n")
-    log.info("wrote %s", out)
+    record(out, report, "kvtransfer_tp")
     for name, per_size in report["results"].items():
         log.info("%-34s %s", name, "  ".join(f"{n}:{v['seconds_best'] * 1e3:.1f}ms(x{v['time_vs_tp1']})" for n, v in per_size.items()))
     return 0
@@ -267,9 +265,7 @@ def main(argv: list[str] | None = None) -> int:
 
         ttft_experiment.main(["--lengths", "512", "--no-raw"])
         report["ttft_streaming"] = "bench/results/kv_transfer.json"
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2) + "\n")
-    log.info("wrote %s", args.out)
+    record(args.out, report, "kvtransfer")
     for name, per_size in results.items():
         log.info("%-22s %s", name, "  ".join(f"{n}:{v['gbps_best']:.2f}" for n, v in per_size.items()))
     return 0

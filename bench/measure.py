@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 from tqdm import tqdm
 
+from bench.history import git_commit
 from common.hardware import cpu_info
 
 
@@ -117,6 +118,8 @@ def machine_record() -> dict:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "python": platform.python_version(),
+        "git_commit": git_commit(),
+        "started_unix": int(time.time()),
     }
 
 

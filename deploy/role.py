@@ -2,7 +2,7 @@
 
 Under Ray (no `--router`) the CLI asks the controller (deploy/launcher.py), which calls the worker
 actor's `switch_role` and moves its slot to the other pool. With `--router` (plain processes, e.g.
-tests/cluster.py) the CLI calls `Registry.SwitchRole` on the router's internal port (its ready line's
+bench/cluster.py) the CLI calls `Registry.SwitchRole` on the router's internal port (its ready line's
 `internal_address`, behind the cluster secret: `-c CONFIG` supplies `security`); the router forwards
 it to the worker's `WorkerAdmin` (a `python -m role_worker` process), which drains its calls in
 flight, deregisters, takes the new role and registers again. The command returns once the worker

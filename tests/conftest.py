@@ -28,8 +28,8 @@ PROCESSES_AT_SETUP = pytest.StashKey[tuple[list, int]]()
 
 
 def _started_processes() -> list:
-    """tests/cluster.py's STARTED, if a test imported it (unit tests start no process)."""
-    cluster = sys.modules.get("tests.cluster")
+    """bench/cluster.py's STARTED, if a test imported it (unit tests start no process)."""
+    cluster = sys.modules.get("bench.cluster")
     return cluster.STARTED if cluster is not None else []
 
 

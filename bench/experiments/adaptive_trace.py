@@ -70,8 +70,8 @@ import numpy as np
 import yaml
 
 from bench import serve
+from bench.cluster import bench_config, start_process, stop_process
 from bench.experiments import common
-from bench.experiments.cluster import bench_config, launch, terminate
 from bench.servebench.metrics import meets_slos
 from bench.servebench.workload import DEFAULT_VOCAB, RequestSpec, random_ids
 
@@ -198,13 +198,13 @@ class Deployment:
         self.log_dir.mkdir(parents=True, exist_ok=True)
         path = self.log_dir / f"{self.name}.yaml"
         path.write_text(yaml.safe_dump(self.config))
-        self.proc = launch(f"serve-{self.name}", ["-m", "deploy.cli", "--log-level", "WARNING", "serve", "-c", str(path),
-                                                  "--grpc-port", "0", "--http-port", "0"], self.log_dir / f"{self.name}.log", timeout=300,
-                           env=WORKER_ENV)
+        self.proc = start_process(f"serve-{self.name}", ["-m", "deploy.cli", "--log-level", "WARNING", "serve", "-c", str(path),
+                                                         "--grpc-port", "0", "--http-port", "0"], WORKER_ENV, timeout=300,
+                                  log_path=self.log_dir / f"{self.name}.log")
         try:
             self.controller = launcher.controller_at(self.proc.ready["ray_address"])
         except BaseException:
-            terminate(self.proc, grace=60)
+            stop_process(self.proc, timeout=60)
             raise
         return self
 
@@ -226,7 +226,7 @@ class Deployment:
         import ray
 
         ray.shutdown()
-        terminate(self.proc, grace=90)
+        stop_process(self.proc, timeout=90)
 
 
 class EventPoller:
@@ -578,7 +578,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in [] if args.summary_only else args.configs:
         result = run_config(name, specs, phase_of, kind_of, args)
         result["machine"] = common.finish(dict(info), started)
-        common.save(f"{NAME}_{name}", result)
+        common.save(f"{NAME}_{name}", result, history=False)
         overall = result["metrics"]["overall"]
         print(f"{name}: goodput {overall['goodput']:.3f} req/s ({overall['good_requests']}/{overall['sent']} good, "
               f"{overall['failed']} failed), {len(result['events'])} events", file=sys.stderr)

@@ -8,12 +8,12 @@ import logging
 import os
 import platform
 import shlex
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from bench.history import git_commit, record
 from common.hardware import cpu_info
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,7 +93,7 @@ def machine() -> dict[str, Any]:
         "torch": torch.__version__,
         "loadavg_start": loadavg(),
         "started_unix": int(time.time()),
-        "git_commit": _git_commit(),
+        "git_commit": git_commit(),
     }
     return info
 
@@ -109,21 +109,16 @@ def command_line() -> str:
     return " ".join(["python", "-m", module, *map(shlex.quote, sys.argv[1:])])
 
 
-def save(name: str, report: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
+def save(name: str, report: dict[str, Any], history: bool = True) -> Path:
+    """RESULTS/name.json, and the run's line in RESULTS/history.jsonl (bench.history); `history=False` for a
+    part of a run (one config's raw records) whose summary is saved too."""
     path = RESULTS / f"{name}.json"
+    if history:
+        return record(path, report, name)
+    RESULTS.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
     log.info("wrote %s", path)
     return path
-
-
-def _git_commit() -> str | None:
-    try:
-        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=5)
-        dirty = subprocess.run(["git", "status", "--porcelain"], cwd=REPO, capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "") if out.returncode == 0 else None
-    except (OSError, subprocess.TimeoutExpired):
-        return None
 
 
 def replace_doc_block(doc: Path, begin: str, end: str, section: str) -> None:

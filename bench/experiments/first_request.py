@@ -22,8 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
-from bench.experiments.cluster import BenchCluster, bench_config
 
 PROMPT_TOKENS = 64
 MAX_TOKENS = 4

@@ -22,8 +22,8 @@ import sys
 from typing import Any
 
 from bench import serve
+from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
-from bench.experiments.cluster import BenchCluster, bench_config
 
 SETUPS = {"disaggregated": (1, 1), "colocated": (0, 2)}
 

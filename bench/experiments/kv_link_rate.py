@@ -30,10 +30,9 @@ from typing import Any
 
 import yaml
 
+from bench.cluster import bench_config, start_process, stop_process
 from bench.experiments import common
-from bench.experiments.cluster import bench_config
 from bench.experiments.kv_transfer import measure
-from tests.cluster import start_process, stop_process
 from tests.multihost import net
 
 CONFIGS = (("layerwise", True, "native"), ("layerwise", True, "int8"), ("whole", False, "native"), ("whole", False, "int8"))

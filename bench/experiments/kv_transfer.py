@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
+from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
-from bench.experiments.cluster import BenchCluster, bench_config
 
 BYTES_PER_TOKEN = 2 * 30 * 3 * 64 * 4  # SmolLM2-135M, fp32, K+V, every layer
 VARIANTS = (("tcp", True), ("tcp", False), ("ucx", True), ("ucx", False))

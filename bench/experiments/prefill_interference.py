@@ -5,7 +5,7 @@
 A steady decode load (`--steady` concurrent requests, short prompts, long outputs) runs on the
 decode worker; `--burst-at` seconds in, `--burst-size` prompts of `--burst-prompt-len` tokens
 arrive at once. Three setups, every worker pinned to its own core with one torch thread
-(bench/experiments/cluster.py):
+(bench/cluster.py):
 
   colocated           1 decode worker prefills locally, no chunked prefill (a prompt runs whole)
   colocated_chunked   the same with chunked prefill (`max_num_batched_tokens` = --chunk-budget)
@@ -30,8 +30,8 @@ import sys
 from typing import Any
 
 from bench import serve
+from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
-from bench.experiments.cluster import BenchCluster, bench_config
 
 TARGET_RATIO = 1.5
 SETUPS = ("colocated", "colocated_chunked", "disaggregated")

@@ -15,8 +15,8 @@ from __future__ import annotations
 import sys
 
 from bench import serve
+from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
-from bench.experiments.cluster import BenchCluster, bench_config
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     by_priority = report["runs"][0]["metrics_by_priority"]
     report["priority_ttft_ms"] = {prio: {k: m["ttft_ms"][k] for k in ("median", "p99")} | {"completed": m["completed"]}
                                   for prio, m in by_priority.items()}
-    serve.write_report(report, common.RESULTS / "priority.json", plots=False)
+    common.save("priority", report)
     print(report["priority_ttft_ms"], file=sys.stderr)
     return 0 if report["runs"][0]["metrics"]["failed"] == 0 else 1
 

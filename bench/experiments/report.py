@@ -194,7 +194,7 @@ def render() -> str:
         "```",
         "",
         "Each experiment is also a script of its own (`python -m bench.experiments.NAME --help`) that starts its own "
-        "router and worker processes on 127.0.0.1 (bench/experiments/cluster.py; `PDSERVE_BENCH_PIN=0` runs the workers "
+        "router and worker processes on 127.0.0.1 (bench/cluster.py; `PDSERVE_BENCH_PIN=0` runs the workers "
         "unpinned, `PDSERVE_BENCH_CORES=0,1` picks the cores) and writes JSON and PNG files into bench/results/. The "
         "serving runs keep every request's raw chunk timestamps in their JSON, so every figure can be recomputed.",
         "",

@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import serve
+from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
-from bench.experiments.cluster import BenchCluster, bench_config
 
 
 def offline(args: argparse.Namespace):

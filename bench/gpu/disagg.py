@@ -2,7 +2,7 @@
 
 Lifecycle: save a random-weight model (with the SmolLM2 tokenizer) into a temporary directory, run
 the prompts through an in-process Engine for the expected greedy tokens, free it, start the three
-processes with tests.cluster's launcher (python -m router / prefill_worker / decode_worker, KV over
+processes with bench.cluster's launcher (python -m router / prefill_worker / decode_worker, KV over
 the `tcp` transport, engine.device as the check's), send one burst of streaming greedy requests
 through the router's gRPC `Generate`, stamp every streamed chunk, stop everything and delete the
 directory. The KV leaves the prefill worker's device pool through host memory (kvtransfer's
@@ -61,7 +61,7 @@ def _engine_tokens(model_dir: Path, s: CheckSettings, prompts: list[list[int]]) 
 
 
 def _run_cluster(workdir: Path, model_dir: Path, s: CheckSettings, prompts: list[list[int]]) -> list[dict]:
-    from tests.cluster import LocalCluster, write_config
+    from bench.cluster import LocalCluster, write_config
 
     engine = {"model": str(model_dir), "dtype": "float32", "device": s.device, "max_num_seqs": 64}
     engine["kv_cache_memory_fraction" if s.device.startswith("cuda") else "kv_cache_memory_mb"] = 0.05 if s.device.startswith("cuda") else 256

@@ -25,11 +25,11 @@ import httpx2
 import pytest
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.openai.body import MAX_BODY_BYTES
 from router.validation import MAX_STOP_STRING_CHARS
-from tests.cluster import LocalCluster, write_config
 
 MODEL = "smollm2-135m"
 MAX_QUEUED = 2

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.cluster import LocalCluster, write_config
+from bench.cluster import LocalCluster, write_config
 
 NUM_PROMPTS = 5
 OUTPUT_LEN = (4, 8)

@@ -18,11 +18,11 @@ import grpc
 import pytest
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from deploy.commands import format_critical_path
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.critical_path import MEASURED, STAGES
-from tests.cluster import LocalCluster, write_config
 
 LOCAL_THRESHOLD = 16
 

@@ -8,9 +8,9 @@ import grpc
 import pytest
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 MAX_NEW = 16
 

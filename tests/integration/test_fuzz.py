@@ -24,9 +24,9 @@ from hypothesis import strategies as st
 from schemathesis.checks import not_a_server_error
 from schemathesis.generation import GenerationMode
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 MODEL = "smollm2-135m"
 MAX_FUZZ_TOKENS = 4

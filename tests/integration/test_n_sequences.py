@@ -10,10 +10,10 @@ import grpc
 import openai
 import pytest
 
+from bench.cluster import LocalCluster, write_config
 from engine.tokenization import encode_chat
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 MODEL = "smollm2-135m"
 MAX_NEW = 8

@@ -18,8 +18,8 @@ import jsonschema
 import openai
 import pytest
 
+from bench.cluster import LocalCluster, write_config
 from engine.testing.tool_model import build_tool_model
-from tests.cluster import LocalCluster, write_config
 
 ANSWER = {
     "type": "object",

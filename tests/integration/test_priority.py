@@ -13,9 +13,9 @@ from __future__ import annotations
 import grpc
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 from tests.integration.test_tracing import CLIENT_SPAN, Tree, read_spans
 
 MAX_NEW = 6

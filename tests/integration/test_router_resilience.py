@@ -14,9 +14,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.cluster import REPO, LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import REPO, LocalCluster, write_config
 
 
 def _request(ids, max_tokens, ignore_eos=False, request_id=""):

@@ -21,6 +21,7 @@ import pytest
 import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.cluster import LocalCluster, Proc, write_config
 from common.security import Security, sync_channel
 from engine.sampling import SamplingParams
 from kvtransfer import AuthenticationFailed, KVEndpoint, KVSender, TransferHeader
@@ -28,7 +29,6 @@ from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterError, generate_via_router
-from tests.cluster import LocalCluster, Proc, write_config
 from tests.unit.test_security import SECRET, WRONG, TLSFiles, make_tls
 
 pytestmark = pytest.mark.timeout(300)

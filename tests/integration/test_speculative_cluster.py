@@ -14,8 +14,8 @@ import concurrent.futures
 import pytest
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from engine.tokenization import encode_prompt
-from tests.cluster import LocalCluster, write_config
 from tests.integration.test_disaggregated import generate
 from tests.unit.test_engine_speculative import ALWAYS, GROUNDED
 

@@ -17,9 +17,9 @@ import grpc
 import pytest
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 MAX_NEW = 8
 CLIENT_TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"

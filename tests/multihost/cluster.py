@@ -25,7 +25,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tests.cluster import REPO, Proc, start_process, stop_process
+from bench.cluster import REPO, Proc, start_process, stop_process
 from tests.multihost import net
 
 RAY_PORT = 6379

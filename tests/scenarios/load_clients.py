@@ -27,9 +27,9 @@ import grpc
 import httpx2
 import psutil
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 MODEL = "smollm2-135m"
 MB = 1 << 20

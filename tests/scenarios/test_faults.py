@@ -31,9 +31,9 @@ from typing import Self
 import grpc
 import pytest
 
+from bench.cluster import REPO, LocalCluster, Proc, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import REPO, LocalCluster, Proc, write_config
 
 pytestmark = pytest.mark.timeout(420)
 

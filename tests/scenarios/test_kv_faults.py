@@ -10,9 +10,9 @@ import time
 import grpc
 import requests
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 MAX_NEW = 12
 

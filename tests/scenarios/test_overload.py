@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.cluster import REPO, LocalCluster
+from bench.cluster import REPO, LocalCluster
 from tests.scenarios.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 
 MAX_QUEUED = 8

@@ -21,9 +21,9 @@ import grpc
 import psutil
 import pytest
 
+from bench.cluster import REPO, Proc, start_process, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import REPO, Proc, start_process, write_config
 
 pytestmark = pytest.mark.timeout(420)
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.cluster import write_config
 from engine.testing.tiny_models import build_tiny_model
-from tests.cluster import write_config
 from tests.conftest import hf_generate
 from tests.integration.test_disaggregated import generate
 from tests.scenarios.test_ray_deploy import (  # noqa: F401 - serve_guard is a fixture

@@ -18,9 +18,9 @@ import time
 import grpc
 import pytest
 
+from bench.cluster import REPO, LocalCluster, start_process, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import REPO, LocalCluster, start_process, write_config
 
 STREAMS = 16
 MAX_TOKENS = 24

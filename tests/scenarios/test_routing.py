@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 
 
 @pytest.mark.parametrize("policy", ["prefix_aware", "round_robin"])

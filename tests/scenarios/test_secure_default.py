@@ -24,6 +24,7 @@ import grpc
 import psutil
 import pytest
 
+from bench.cluster import REPO, Proc, start_process, stop_process, write_config
 from common.secrets import SECRET_ENV
 from engine.sampling import SamplingParams
 from kvtransfer import KVEndpoint, TransferHeader
@@ -31,7 +32,6 @@ from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterError, generate_via_router
-from tests.cluster import REPO, Proc, start_process, stop_process, write_config
 from tests.integration.test_security import SMOLLM2, _code, push_kv_is_refused
 from tests.scenarios.test_ray_deploy import cli, healthy, start_serve, status, stop_and_check_nothing_left, wait_for
 

@@ -22,8 +22,8 @@ import random
 import pytest
 import requests
 
+from bench.cluster import REPO
 from router.openai.routes import RETRY_AFTER_S
-from tests.cluster import REPO
 from tests.scenarios.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 from tests.scenarios.test_overload import process_ids, write_report
 

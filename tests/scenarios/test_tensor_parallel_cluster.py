@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from bench.cluster import LocalCluster, write_config
 from engine.testing.tiny_models import build_tiny_model
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.cluster import LocalCluster, write_config
 from tests.conftest import hf_generate
 from tests.integration.test_disaggregated import generate
 

@@ -6,8 +6,8 @@ import io
 import json
 import threading
 
+from bench.cluster import write_config
 from deploy.cli import main
-from tests.cluster import write_config
 
 
 def test_generate_local_json_raw(capsys, demo_model, hf_greedy, tmp_path):

@@ -10,9 +10,9 @@ import sys
 import pytest
 import yaml
 
+from bench.cluster import REPO
 from common.config import AutoscalerConfig, ConfigError, config_from_dict, load_config
 from deploy.commands import custom_resources, logical_cpus, parse_scale_targets
-from tests.cluster import REPO
 
 
 def test_default_config_has_autoscaler_and_router_resources():

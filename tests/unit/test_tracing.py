@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import SpanKind, StatusCode
 
+from bench.cluster import REPO
 from common.config import TracingConfig, config_from_dict
 from common.tracing import (
     JsonLinesSpanExporter,
@@ -38,7 +39,6 @@ from common.tracing import (
     span,
 )
 from common.validation import ConfigError
-from tests.cluster import REPO
 
 ENABLED = TracingConfig(enabled=True, service_name="pdtest")
 
