@@ -1,9 +1,12 @@
 """DecodeWorker gRPC service: admit, receive KV, decode with continuous batching, stream tokens.
 
 Life of one `Decode` call (remote prefill):
-  1. validate and reserve KV blocks for the prompt (`reserve_remote_kv`); when the pool is full the
-     call waits for blocks up to `admission_timeout_s`, then fails RESOURCE_EXHAUSTED (backpressure);
-  2. register the transfer with the KV receiver and answer with `KVAdmission` (endpoint + transfer id);
+  1. validate and reserve KV blocks for the prompt (`reserve_remote_kv`): the prompt's leading blocks
+     that this worker's prefix cache holds (a conversation's earlier turns) are reused as they are;
+     when the pool is full the call waits for blocks up to `admission_timeout_s`, then fails
+     RESOURCE_EXHAUSTED (backpressure);
+  2. register the transfer of the rest with the KV receiver and answer with `KVAdmission` (endpoint,
+     transfer id, `held_tokens`: the prefill worker sends only the KV after them);
   3. wait for the KV; a bad or missing transfer aborts the request, frees its blocks and ends the
      stream with a `DecodeFinished` carrying the KV error code;
   4. commit the KV with the first token the trailer carried (and its logprobs): the engine emits that
@@ -33,15 +36,17 @@ from collections.abc import AsyncIterator
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
+from common.errors import InvalidRequestError
 from common.serving import CallGate
 from common.tracing import annotate, context_of, fail, server_span, span
 from decode_worker.ranks import FollowerReceivers
 from engine.async_engine import AsyncEngine
-from engine.errors import InvalidRequestError
+from engine.engine import RemoteReservation
+from engine.messages import chunk_from_output, prefill_timings, worker_stats
 from engine.sampler import Sample
 from kvtransfer import KVEndpoint, KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
-from proto.convert import chunk_from_output, finish_reason_to_proto, prefill_timings, sampling_or_abort, worker_stats
+from proto.convert import finish_reason_to_proto, sampling_or_abort
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -99,7 +104,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         started = time.monotonic()
         prompt = list(request.token_ids)
         try:
-            blocks = await self._reserve(request_id, prompt, params, request.priority, context)
+            reserved = await self._reserve(request_id, prompt, params, request.priority, context)
         except asyncio.CancelledError:  # the reservation may land after the cancel: undo it
             await self.engine.abort(request_id)
             raise
@@ -110,20 +115,24 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         expected: asyncio.Future | None = None
         committed = False
         try:
-            expected = await self._expect(transfer_id, blocks, len(prompt), timeout)
+            incoming = reserved.incoming_block_ids
+            expected = await self._expect(transfer_id, incoming, len(prompt) - reserved.held_tokens, timeout)
             yield pb.DecodeResponse(
                 request_id=request_id,
                 admission=pb.KVAdmission(
-                    kv_destination=self._destination(transfer_id),
+                    kv_destination=self._destination(transfer_id, reserved.held_tokens),
                     num_prompt_tokens=len(prompt),
-                    num_blocks=len(blocks),
+                    num_blocks=len(reserved.block_ids),
+                    cached_prompt_tokens=reserved.held_tokens,
                     admission_wait_s=admitted - started,
+                    kv_blocks_reused=reserved.held_blocks,
+                    kv_blocks_moved=reserved.moved_blocks,
                 ),
             )
             reached(self.fault_point, "decode.before_transfer", request_id)
             try:
                 with span("kv.receive", context_of(call_span), SpanKind.CONSUMER, transfer_id=transfer_id, transport=self.receiver.endpoint.transport,
-                          kv_blocks=len(blocks)) as kv_span:
+                          kv_blocks=len(incoming), kv_blocks_held=reserved.held_blocks) as kv_span:
                     received = await asyncio.shield(expected)  # a cancelled call must not cancel the transfer itself
                     self.kv_bytes_received += received.nbytes
                     annotate(kv_span, kv_bytes=received.nbytes, kv_wait_s=received.wait_s, kv_transfer_s=received.transfer_s)
@@ -171,10 +180,10 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
         return asyncio.ensure_future(every_rank())
 
-    def _destination(self, transfer_id: str) -> pb.KVDestination:
+    def _destination(self, transfer_id: str, held_tokens: int) -> pb.KVDestination:
         endpoints = [pb.KVEndpoint(host=e.host, port=e.port, transport=e.transport) for e in self.rank_endpoints]
         return pb.KVDestination(endpoint=endpoints[0], transfer_id=transfer_id, model_fingerprint=self.fingerprint,
-                                rank_endpoints=endpoints, num_kv_heads=self.engine.global_layout.num_kv_heads)
+                                rank_endpoints=endpoints, num_kv_heads=self.engine.global_layout.num_kv_heads, held_tokens=held_tokens)
 
     def _give_up(self, request_id: str, transfer_id: str) -> None:
         """A request whose KV never committed: its stream closes and its transfer is cancelled on every rank at once."""
@@ -191,15 +200,15 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                 expected.exception()  # retrieved: the outcome was logged where it happened
         await self.engine.abort(request_id)
 
-    async def _reserve(self, request_id, prompt, params, priority, context) -> list[int]:
+    async def _reserve(self, request_id, prompt, params, priority, context) -> RemoteReservation:
         deadline = time.monotonic() + self.admission_timeout_s
         while True:
             try:
-                blocks = await self.engine.reserve_remote_kv(request_id, prompt, params, priority)
+                reserved = await self.engine.reserve_remote_kv(request_id, prompt, params, priority)
             except InvalidRequestError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-            if blocks is not None:
-                return blocks
+            if reserved is not None:
+                return reserved
             if time.monotonic() > deadline:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free KV blocks on this decode worker")
             await asyncio.sleep(0.02)
@@ -229,7 +238,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining,
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining, request,
                                   kv_bytes_received=self.kv_bytes_received)
 
     # ---- drain ---------------------------------------------------------------------------------

@@ -25,12 +25,13 @@ from typing import Any
 
 import torch
 
+from common.block_hash import BlockEvents
+from common.errors import EngineError, RankLost
+from common.sampling import SamplingParams
 from engine.engine import Engine, EngineStats, RequestOutput
-from engine.errors import EngineError, RankLost
 from engine.kv_cache import KVCache, KVLayout
 from engine.parallel import TensorParallelGroup
 from engine.sampler import Sample
-from engine.sampling import SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -136,10 +137,26 @@ class AsyncEngine:
     async def stats(self) -> EngineStats:
         return await self._call(self._engine.stats)
 
+    # ---- KV events (the router's index of cached blocks) ---------------------------------------
+    async def kv_events(self, snapshot: bool = False) -> BlockEvents:
+        """Blocks the prefix cache stored and evicted since the last call (or, with `snapshot` or after
+        events were lost, every block it holds)."""
+        return await self._call(lambda: self._engine.blocks.drain_events(snapshot))
+
+    @property
+    def pending_kv_events(self) -> int:
+        """How many events the next `kv_events` would return (a plain read; no engine-thread call)."""
+        return self._engine.blocks.num_pending_events
+
+    async def cached_block_hashes(self) -> list[int]:
+        """Every block hash in the prefix cache now (does not drain events)."""
+        return await self._call(self._engine.blocks.cached_hashes)
+
     # ---- remote prefill (decode worker) ---------------------------------------------------------
     async def reserve_remote_kv(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                                priority: int = 0) -> list[int] | None:
-        """Blocks to receive the prompt's KV into, or None when the pool (or the KV policy) has no room now."""
+                                priority: int = 0) -> RemoteReservation | None:
+        """Blocks to receive the prompt's KV into (its leading blocks already held are not received), or None
+        when the pool (or the KV policy) has no room now."""
         return await self._call(lambda: self._engine.add_remote_request(request_id, prompt_token_ids, params, priority))
 
     def commit_remote_kv(self, request_id: str, first: Sample) -> None:

@@ -30,15 +30,15 @@ from typing import Any
 import torch
 
 from common.engine_config import EngineConfig
+from common.errors import InvalidRequestError
 from common.hardware import cpu_info
+from common.sampling import SamplingParams
 from engine.block_manager import BlockManager
-from engine.errors import InvalidRequestError
 from engine.kv_sink import KVLayerSink, SinkRequest, layer_hook
 from engine.model_loader import LoadedModel
 from engine.parallel import RankLauncher, TensorParallelGroup
 from engine.runtime import build_runtime
 from engine.sampler import Sample, Sampler
-from engine.sampling import SamplingParams
 from engine.scheduler import ScheduledSeq, Scheduler, SchedulerConfig
 from engine.sequence import FinishReason, RequestState, Sequence, check_priority
 from engine.speculative import Speculator
@@ -62,6 +62,32 @@ class RequestOutput:
     error: str | None = None
     first_step_at: float | None = None
     """time.monotonic() when the sequence's first step began: its queue time ends, its compute starts."""
+
+
+@dataclass(frozen=True)
+class RemoteReservation:
+    """A decode worker's blocks for a prompt whose KV a prefill worker sends."""
+
+    block_ids: list[int]
+    """Every block of the prompt (and its first token)."""
+    held_tokens: int
+    """Leading prompt tokens whose KV the pool already holds (whole blocks of its prefix cache): not sent."""
+    num_prompt_tokens: int
+    block_size: int
+
+    @property
+    def incoming_block_ids(self) -> list[int]:
+        """The blocks the prompt's KV from `held_tokens` on lands in."""
+        return self.block_ids[self.held_tokens // self.block_size :]
+
+    @property
+    def held_blocks(self) -> int:
+        return self.held_tokens // self.block_size
+
+    @property
+    def moved_blocks(self) -> int:
+        """Blocks whose KV arrives (the last one may be partial)."""
+        return -(-(self.num_prompt_tokens - self.held_tokens) // self.block_size)
 
 
 @dataclass
@@ -166,14 +192,15 @@ class Engine:
         self.scheduler.add(seq)
 
     def add_remote_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                           priority: int = 0) -> list[int] | None:
-        """Reserve blocks for a prompt whose KV will arrive from a prefill worker.
-        Returns the block ids to write into, or None when the pool (or the KV policy) has no room now (backpressure)."""
+                           priority: int = 0) -> RemoteReservation | None:
+        """Reserve blocks for a prompt whose KV will arrive from a prefill worker (those of its leading
+        blocks this pool already holds are reused, not received), or None when the pool (or the KV policy)
+        has no room now (backpressure)."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, False, priority)
         if not self.scheduler.reserve_remote(seq):
             return None
         self._requests[request_id] = seq
-        return list(seq.block_ids)
+        return RemoteReservation(list(seq.block_ids), seq.num_cached_tokens, seq.num_prompt_tokens, self.blocks.block_size)
 
     def accept_first_token(self, request_id: str, first: Sample) -> RequestOutput:
         """The prompt's KV is in the request's blocks and the prefill worker sampled `first` (with its
@@ -358,10 +385,12 @@ class Engine:
         sink = self.kv_sink
         if sink is None:
             return []
-        return [
-            SinkRequest(s.seq.request_id, s.seq.block_ids, s.seq.num_prompt_tokens)
-            for s in scheduled if s.samples and s.seq.prefill_only and sink.wants(s.seq.request_id)
-        ]
+        requests = []
+        for s in scheduled:
+            start = sink.wanted_from(s.seq.request_id) if s.samples and s.seq.prefill_only else None
+            if start is not None:
+                requests.append(SinkRequest(s.seq.request_id, s.seq.block_ids, s.seq.num_prompt_tokens, start))
+        return requests
 
     def _emit(self, seq: Sequence, sample: Sample, out: RequestOutput) -> None:
         """Append a sampled token (and its logprobs, when asked) to the request and its output."""

@@ -81,9 +81,15 @@ class Scheduler:
 
     def reserve_remote(self, seq: Sequence) -> bool:
         """Blocks for a prompt whose KV (and first token) will arrive from a prefill worker, if the
-        KV policy admits it now; False (nothing taken) otherwise."""
-        if not self.policy.admits(seq, self.running + self.incoming) or not self.blocks.grow(seq, seq.num_prompt_tokens + 1):
-            seq.block_ids = []
+        KV policy admits it now; False (nothing taken) otherwise. The prompt's leading blocks that the
+        prefix cache holds are taken as they are (`seq.num_cached_tokens`: their KV need not move)."""
+        if not self.policy.admits(seq, self.running + self.incoming):
+            return False
+        if self.blocks.admit(seq, seq.num_prompt_tokens) is None:
+            return False
+        if not self.blocks.grow(seq, seq.num_prompt_tokens + 1):
+            self.blocks.free(seq)
+            seq.num_cached_tokens = seq.num_computed_tokens = 0
             return False
         seq.state = RequestState.WAITING_FOR_REMOTE_KV
         self.incoming.append(seq)

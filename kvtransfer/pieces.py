@@ -64,20 +64,27 @@ class Destination:
     endpoints: list[KVEndpoint]
     num_kv_heads: int
     """The model's KV heads, all ranks together."""
+    held_tokens: int = 0
+    """Leading prompt tokens whose KV the decode worker holds already (whole blocks): not sent."""
 
 
 class PieceSend:
-    """Prefill rank `rank` of `tp`: its heads of one prompt's KV, sent straight to the decode ranks
-    that own them. `send_layer` takes this rank's K/V (`[tokens, its heads, head_dim]`) and never blocks."""
+    """Prefill rank `rank` of `tp`: its heads of one prompt's KV from `destination.held_tokens` on, sent
+    straight to the decode ranks that own them. `send_layer` takes this rank's K/V of those tokens
+    (`[tokens, its heads, head_dim]`) and never blocks."""
 
     def __init__(self, sender: KVSender, destination: Destination, layout: KVLayout, num_tokens: int, rank: int = 0,
                  tp: int = 1, ack_timeout: float | None = None):
-        """layout: the whole model's KV layout (every rank's heads)."""
+        """layout: the whole model's KV layout (every rank's heads); num_tokens: the whole prompt's."""
         heads = layout.num_kv_heads
         check_compatible((tp, heads), (len(destination.endpoints), destination.num_kv_heads))
+        if destination.held_tokens % layout.block_size or not 0 <= destination.held_tokens < num_tokens:
+            raise ValueError(f"held_tokens {destination.held_tokens} is not a whole number of blocks below the prompt's {num_tokens} tokens")
+        self.start = destination.held_tokens
+        """The first prompt position sent (the decode worker holds the ones before)."""
         mine = head_range(heads, tp, rank)
         every = pieces(heads, tp, len(destination.endpoints))
-        base = TransferHeader.for_layout(f"{destination.transfer_id}#{rank}", layout, num_tokens, destination.fingerprint)
+        base = TransferHeader.for_layout(f"{destination.transfer_id}#{rank}", layout, num_tokens - self.start, destination.fingerprint)
         self.parts: list[tuple[Any, slice | None]] = []
         for piece in (p for p in every if p.src == rank):
             header = dataclasses.replace(base, num_kv_heads=piece.heads.count, first_head=piece.heads.first,

@@ -33,18 +33,19 @@ import uuid
 import grpc
 from opentelemetry.trace import Span, SpanKind
 
+from common.errors import InvalidRequestError
 from common.serving import CallGate
 from common.tracing import annotate, context_of, fail, server_span, start_span
 from engine.async_engine import AsyncEngine
 from engine.engine import RequestOutput
-from engine.errors import InvalidRequestError
+from engine.messages import chunk_from_output, prefill_timings, worker_stats
 from kvtransfer import KVEndpoint, KVSender, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from kvtransfer.pieces import Destination, PieceSend
 from kvtransfer.sharding import IncompatibleLayouts, check_compatible
 from prefill_worker.ranks import FollowerSends
 from prefill_worker.streamer import LayerStreamer
-from proto.convert import chunk_from_output, prefill_timings, sampling_or_abort, worker_stats
+from proto.convert import sampling_or_abort
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -87,6 +88,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                                                       self.engine.global_layout.num_kv_heads)
         if refusal:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, refusal)
+        if dest is not None and (dest.held_tokens % self.engine.layout.block_size or dest.held_tokens >= len(request.token_ids)):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"kv_destination.held_tokens: {dest.held_tokens} is not a whole number of "
+                                f"{self.engine.layout.block_size}-token blocks below the prompt's {len(request.token_ids)} tokens")
         await self.gate.enter(context)
         transfer = kv_span = None
         try:
@@ -139,7 +143,8 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         """Open this worker's pieces of the prompt's KV (rank 0's here, the followers' on their ranks)."""
         layout = self.engine.global_layout
         endpoints = [KVEndpoint(e.host, e.port, e.transport) for e in dest.rank_endpoints or [dest.endpoint]]
-        destination = Destination(dest.transfer_id, self.fingerprint, endpoints, dest.num_kv_heads or layout.num_kv_heads)
+        destination = Destination(dest.transfer_id, self.fingerprint, endpoints, dest.num_kv_heads or layout.num_kv_heads,
+                                  dest.held_tokens)
         reached(self.fault_point, "prefill.before_transfer", request_id)
         transfer = PieceSend(self.sender, destination, layout, num_tokens, 0, self.engine.tensor_parallel_size, timeout)
         self.followers.begin(request_id, destination, num_tokens)
@@ -160,12 +165,12 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         """Send what the streamer did not (without one: every layer), then the trailer with the first token."""
         if self.streamer is None:
             for layer, (k, v) in enumerate(await self.engine.prompt_kv(request_id)):
-                transfer.send_layer(layer, k, v)
+                transfer.send_layer(layer, k[transfer.start:], v[transfer.start:])
         logprob = first_out.logprobs[0] if first_out.logprobs else None
         transfer.finish(first_out.new_token_ids[0], logprob, first_out.top_logprobs[0] if first_out.top_logprobs else None)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, kv_bytes_sent=self.kv_bytes_sent)
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, request, kv_bytes_sent=self.kv_bytes_sent)
 
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()

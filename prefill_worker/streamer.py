@@ -25,8 +25,9 @@ class LayerStreamer:
     def forget(self, request_id: str) -> None:
         self._transfers.pop(request_id, None)
 
-    def wants(self, request_id: str) -> bool:
-        return request_id in self._transfers
+    def wanted_from(self, request_id: str) -> int | None:
+        transfer = self._transfers.get(request_id)
+        return None if transfer is None else transfer.start
 
     def layer_ready(self, request_id: str, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         transfer = self._transfers.get(request_id)

@@ -47,9 +47,10 @@ def stages_of(timings: pb.StageTimings) -> dict[str, float]:
 
 
 def critical_path_json(timings: pb.StageTimings) -> dict:
-    """The OpenAI extension's object: every stage in seconds (`<stage>_s`), ttft_s, e2e_s, local_prefill."""
+    """The OpenAI extension's object: every stage in seconds (`<stage>_s`), ttft_s, e2e_s, local_prefill, and the
+    prompt's KV blocks the decode worker reused and those that moved."""
     return {**{f"{s}_s": v for s, v in stages_of(timings).items()}, "ttft_s": timings.ttft_s, "e2e_s": timings.e2e_s,
-            "local_prefill": timings.local_prefill}
+            "local_prefill": timings.local_prefill, "kv_blocks_reused": timings.kv_blocks_reused, "kv_blocks_moved": timings.kv_blocks_moved}
 
 
 @dataclass(frozen=True)

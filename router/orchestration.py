@@ -23,8 +23,8 @@ from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from common.config import RouterConfig
+from common.errors import InvalidRequestError
 from common.tracing import annotate, context_of, outgoing_metadata, span
-from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded
 from router.detokenizer import IncrementalDetokenizer
@@ -100,6 +100,8 @@ class Orchestrator:
                 continue
             if attempt.prefill is not None:
                 self.metrics.kv_bytes.labels(transport=self.settings.transport).inc(attempt.prefill.kv_bytes_sent)
+                self.metrics.kv_blocks.labels(outcome="reused").inc(state.timings.kv_blocks_reused)
+                self.metrics.kv_blocks.labels(outcome="moved").inc(state.timings.kv_blocks_moved)
             decoder = attempt.decoder
             decoder.in_flight += 1
             try:
@@ -174,6 +176,7 @@ class Orchestrator:
             call.push_back(first)
             return Attempt(decoder, call, None)
         state.worker_stages(pb.StageTimings(decode_admission_s=first.admission.admission_wait_s))
+        state.kv_admitted(first.admission)
         prefill = await self._prefill(request, first.admission, call, failed_prefill, state)
         return Attempt(decoder, call, prefill)
 
@@ -206,6 +209,7 @@ class Orchestrator:
                 prefiller.in_flight -= 1
             annotate(current, kv_bytes=response.kv_bytes_sent, cached_prompt_tokens=response.cached_prompt_tokens)
         state.worker_stages(response.timings, prefill_done=True)
+        state.cached_prompt_tokens = max(state.cached_prompt_tokens, response.cached_prompt_tokens)
         return response
 
     def _prefill_locally(self, prompt_ids: list[int]) -> bool:

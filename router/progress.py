@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from opentelemetry.context import Context
 
-from engine.sampling import SamplingParams
+from common.sampling import SamplingParams
 from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.critical_path import close_path
@@ -107,6 +107,13 @@ class Progress:
         self.timings.local_prefill = self.timings.local_prefill or timings.local_prefill
         if prefill_done:
             self.prefill_done_at = time.monotonic()
+
+    def kv_admitted(self, admission: pb.KVAdmission) -> None:
+        """What the prompt's KV does on the attempt that produces the first token: blocks D already held
+        (reused) and blocks the prefill worker sends (moved)."""
+        if self.last_token_at is None:
+            self.timings.kv_blocks_reused = admission.kv_blocks_reused
+            self.timings.kv_blocks_moved = admission.kv_blocks_moved
 
     @property
     def num_generated(self) -> int:

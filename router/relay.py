@@ -144,7 +144,8 @@ class DecodeRelay:
     def _on_finished(self, state: Progress, seq: SequenceProgress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
         if fin.timings.local_prefill:
             state.worker_stages(fin.timings)
-        state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
+        if fin.timings.local_prefill:  # else the prefill worker's answer said what it did not compute
+            state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
         tail = pb.TokenChunk(text=seq.detok.finish().text) if seq.detok is not None else pb.TokenChunk()
         response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics, seq)
         if fin.HasField("error"):

@@ -134,7 +134,7 @@ def test_decode_engine_forks_a_received_prompt(demo_model, demo_prompt_ids, hf_g
     layers = prefill.prompt_kv("r")
     prefill.release("r")
     decode = make_engine(demo_model, max_model_len=256)
-    blocks = decode.add_remote_request("r", prompt, params)
+    blocks = decode.add_remote_request("r", prompt, params).block_ids
     for layer, (k, v) in enumerate(layers):
         decode.kv_cache.write_tokens(layer, blocks, k, v)
     head = decode.accept_first_token("r", Sample(first[0].new_token_ids[0]))

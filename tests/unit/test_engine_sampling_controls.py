@@ -72,7 +72,7 @@ def disaggregated(demo_model, prompt: list[int], params: SamplingParams) -> list
     first = run_to_completion(prefill)["r"]
     layers = prefill.prompt_kv("r")
     prefill.release("r")
-    blocks = decode.add_remote_request("r", prompt, params)
+    blocks = decode.add_remote_request("r", prompt, params).block_ids
     for layer, (k, v) in enumerate(layers):
         decode.kv_cache.write_tokens(layer, blocks, k, v)
     out = decode.accept_first_token("r", Sample(first[0]))

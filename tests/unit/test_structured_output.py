@@ -11,10 +11,10 @@ import jsonschema
 import pytest
 import torch
 
+from common.errors import InvalidRequestError
+from common.sampling import StructuredOutput
 from engine import SamplingParams
-from engine.errors import InvalidRequestError
 from engine.sampler import Sample
-from engine.sampling import StructuredOutput
 from engine.sequence import Sequence
 from engine.structured import GrammarCache, StructuredOutputs
 from tests.conftest import assert_no_leaked_blocks, make_engine, run_to_completion
@@ -162,7 +162,7 @@ def test_sampled_json_object_and_disaggregated_first_token(demo_model):
     first = run_to_completion(prefill)["g"][0]
     layers = prefill.prompt_kv("g")
     prefill.release("g")
-    blocks = decode.add_remote_request("g", prompt, greedy)
+    blocks = decode.add_remote_request("g", prompt, greedy).block_ids
     for layer, (k, v) in enumerate(layers):
         decode.kv_cache.write_tokens(layer, blocks, k, v)
     out = decode.accept_first_token("g", Sample(first))
@@ -173,6 +173,6 @@ def test_sampled_json_object_and_disaggregated_first_token(demo_model):
 
 
 def _chat(demo_model, text: str) -> list[int]:
-    from engine.tokenization import encode_prompt
+    from common.tokenization import encode_prompt
 
     return encode_prompt(demo_model.tokenizer, text)
