@@ -1,4 +1,4 @@
-"""Typed errors raised by the engine. Every validation error names the offending field."""
+"""Typed errors of a request's life (raised by the engine, the router and the CLI). Every validation error names the offending field."""
 
 from __future__ import annotations
 

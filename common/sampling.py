@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 MAX_N = 16
 """Sequences per request (`n`): each holds its own KV beyond the shared prompt."""

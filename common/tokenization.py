@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 
 
 def encode_prompt(tokenizer, prompt: str, raw: bool = False) -> list[int]:

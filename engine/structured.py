@@ -25,8 +25,8 @@ from collections.abc import Iterable
 import torch
 import xgrammar as xgr
 
-from engine.errors import InvalidRequestError
-from engine.sampling import StructuredOutput
+from common.errors import InvalidRequestError
+from common.sampling import StructuredOutput
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)

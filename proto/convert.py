@@ -1,25 +1,18 @@
-"""Conversions between `pdserve.v1` messages and the engine's in-process dataclasses.
+"""Conversions between `pdserve.v1` messages and the request types of common/ (sampling, finish reason).
 
 One place for the mapping, used by the router and both workers, so a field is validated and
-defaulted the same way on every hop. It imports only the engine's torch-free modules (sampling,
-errors, sequence): the router and `pdserve generate --router` use it without loading torch.
+defaulted the same way on every hop. Torch-free: the router and `pdserve generate --router` use it
+without the engine. The engine's outputs and stats as messages: engine/messages.py.
 """
 
 from __future__ import annotations
 
-import time
-from typing import TYPE_CHECKING
-
 import grpc
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, StructuredOutput
-from engine.sequence import FinishReason
+from common.errors import InvalidRequestError
+from common.request_types import FinishReason
+from common.sampling import SamplingParams, StructuredOutput
 from proto.pdserve.v1 import pdserve_pb2 as pb
-
-if TYPE_CHECKING:  # engine.engine and engine.async_engine load torch; the router must not
-    from engine.async_engine import AsyncEngine
-    from engine.engine import RequestOutput
 
 DEFAULT_MAX_TOKENS = 256
 
@@ -105,51 +98,3 @@ def structured_to_proto(constraint: StructuredOutput) -> pb.StructuredOutput:
 
 def finish_reason_to_proto(reason: FinishReason | None) -> int:
     return _FINISH_TO_PROTO.get(reason, pb.FINISH_REASON_UNSPECIFIED) if reason else pb.FINISH_REASON_UNSPECIFIED
-
-
-def chunk_from_output(out: RequestOutput, skip: int = 0) -> pb.TokenChunk:
-    """The output's new tokens (after the first `skip`, already streamed) with their logprobs."""
-    tokens = out.new_token_ids[skip:]
-    chunk = pb.TokenChunk(token_ids=tokens, index=out.index)
-    for token, lp, top in zip(tokens, out.logprobs, out.top_logprobs):
-        chunk.logprobs.append(
-            pb.Logprob(token_id=token, logprob=lp, top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in top.items()])
-        )
-    return chunk
-
-
-async def worker_stats(engine: AsyncEngine, worker_id: str, role: int, draining: bool, **extra) -> pb.WorkerStats:
-    """A worker's `Stats` answer (and heartbeat payload) from its engine's stats."""
-    s = await engine.stats()
-    return pb.WorkerStats(
-        worker_id=worker_id,
-        role=role,
-        queued_requests=s.num_waiting + s.num_waiting_for_kv,
-        queued_prompt_tokens=s.queued_prompt_tokens,
-        running_requests=s.num_running,
-        free_kv_blocks=s.free_blocks,
-        total_kv_blocks=s.total_blocks,
-        prefix_cache_hit_tokens=s.prefix_hit_tokens,
-        prefix_cache_queried_tokens=s.prefix_query_tokens,
-        preemptions=s.num_preemptions,
-        prompt_tokens=s.prompt_tokens,
-        generation_tokens=s.generation_tokens,
-        steps=s.steps,
-        step_seconds=s.step_seconds,
-        prompt_steps=s.prompt_steps,
-        prompt_step_seconds=s.prompt_step_seconds,
-        spec_proposed_tokens=s.spec_proposed_tokens,
-        spec_accepted_tokens=s.spec_accepted_tokens,
-        spec_steps=s.spec_steps,
-        draining=draining,
-        timestamp_s=time.time(),
-        **extra,
-    )
-
-
-def prefill_timings(received: float, first_out: RequestOutput, computed: float, kv_transfer_s: float = 0.0) -> pb.StageTimings:
-    """Queue (call received -> the prompt's first engine step) and compute (-> first token sampled),
-    measured on this process's clock; with the KV transfer they add up to the call's time here."""
-    started = first_out.first_step_at or received
-    return pb.StageTimings(prefill_queue_s=max(0.0, started - received), prefill_compute_s=computed - max(started, received),
-                           kv_transfer_s=kv_transfer_s)

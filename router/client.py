@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import grpc
 
+from common.errors import EngineError
+from common.sampling import SamplingParams
 from common.security import sync_channel
-from engine.errors import EngineError
-from engine.sampling import SamplingParams
 from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc

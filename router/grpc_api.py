@@ -16,8 +16,8 @@ from collections.abc import AsyncIterator
 import grpc
 from google.protobuf.message import DecodeError
 
+from common.errors import InvalidRequestError
 from common.tracing import incoming_context
-from engine.errors import InvalidRequestError
 from proto.convert import structured_from_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc

@@ -1,6 +1,6 @@
 """`python -m router`: the router process (gRPC Router, internal gRPC Registry, HTTP health/metrics/OpenAI).
 
-Lifecycle: load config; set up tracing (common/tracing.py, off by default); load the tokenizer only (no model weights); bind two gRPC planes and HTTP
+Lifecycle: load config; set up tracing (common/tracing.py, off by default); load the tokenizer only (no model weights, no torch: router/tokenizer.py); bind two gRPC planes and HTTP
 (TLS when `security.tls_cert_file` is set): the public port serves Router/Generate (API keys),
 health and reflection only; the internal port (`router.internal_host`/`internal_port`) serves the
 workers' Registry, whose calls must carry the cluster secret when one is set (without one, the
@@ -18,13 +18,11 @@ import os
 import socket
 
 import uvicorn
-from transformers import AutoConfig, AutoTokenizer
 
 from common.config import PdserveConfig, load_config
 from common.security import InsecureBind, Security
 from common.serving import ServerControl, announce_ready, configure_logging, create_server, serve_until_signalled, set_serving, wait_idle
 from common.tracing import setup_tracing
-from engine.model_loader import resolve_model_path
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.grpc_api import add_router_to_server
 from router.http_app import build_app
@@ -33,6 +31,7 @@ from router.pool import WorkerPool
 from router.registry_service import RegistryService
 from router.service import RouterService
 from router.settings import RouterSettings
+from router.tokenizer import load_tokenizer_and_context
 
 log = logging.getLogger(__name__)
 ROUTER = "pdserve.v1.Router"
@@ -51,17 +50,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="static decode worker")
     parser.add_argument("--log-level", default=os.environ.get("PDSERVE_LOG_LEVEL", "INFO"))
     return parser.parse_args(argv)
-
-
-def load_tokenizer_and_context(config: PdserveConfig):
-    path = resolve_model_path(config.engine.model)
-    if path.endswith(".gguf"):
-        directory, kwargs = os.path.dirname(path), {"gguf_file": os.path.basename(path)}
-    else:
-        directory, kwargs = path, {}
-    tokenizer = AutoTokenizer.from_pretrained(directory, **kwargs)
-    max_len = config.engine.max_model_len or AutoConfig.from_pretrained(directory, **kwargs).max_position_embeddings
-    return tokenizer, max_len
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +96,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
     rc = config.router
     security = Security.from_config(config.security, control.handed_secret if control is not None else "")
     stop_tracing = setup_tracing(config.tracing, "router")
-    tokenizer, max_len = load_tokenizer_and_context(config)
+    tokenizer, max_len = load_tokenizer_and_context(config.engine.model, config.engine.max_model_len)
     metrics = RouterMetrics()
     pool = WorkerPool(rc.policy, rc.heartbeat_timeout_s, close_grace_s=rc.request_timeout_s, security=security,
                       block_size=config.engine.block_size)
@@ -131,7 +119,7 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
         while True:
             pool.expire()
             await pool.refresh_static_stats()
-            metrics.observe_workers(pool.workers.values())
+            metrics.observe_workers(pool.workers.values(), pool.kv_index)
             await set_serving(planes.health, [ROUTER], pool.has_role("decode") and not router.draining)
             await asyncio.sleep(0.5)
 

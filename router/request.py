@@ -12,8 +12,8 @@ import dataclasses
 import math
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, StructuredOutput
+from common.errors import InvalidRequestError
+from common.sampling import SamplingParams, StructuredOutput
 
 DEFAULTS = SamplingParams(temperature=1.0)
 """What an unset sampling field means (max_tokens aside: the router fills it from the context)."""

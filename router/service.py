@@ -25,8 +25,8 @@ from contextlib import aclosing
 from opentelemetry.context import Context
 from opentelemetry.trace import Span, SpanKind
 
+from common.errors import InvalidRequestError
 from common.tracing import annotate, context_of, fail, span
-from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Admission, Overloaded, Unavailable
 from router.metrics import RouterMetrics

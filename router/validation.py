@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import jsonschema
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams, StructuredOutput
-from engine.sequence import check_priority
-from engine.tokenization import encode_chat, encode_prompt
+from common.errors import InvalidRequestError
+from common.request_types import check_priority
+from common.sampling import SamplingParams, StructuredOutput
+from common.tokenization import encode_chat, encode_prompt
 from proto.convert import DEFAULT_MAX_TOKENS
 from router.request import ChatPrompt, ChatTurn, RouterRequest, TextPrompt, TokenPrompt
 from router.settings import RouterSettings

@@ -77,7 +77,7 @@ def demo_model() -> LoadedModel:
 
 @pytest.fixture(scope="session")
 def demo_prompt_ids(demo_model) -> list[list[int]]:
-    from engine.tokenization import encode_prompt
+    from common.tokenization import encode_prompt
 
     return [encode_prompt(demo_model.tokenizer, p) for p in DEMO_PROMPTS]
 

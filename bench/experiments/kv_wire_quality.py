@@ -99,8 +99,8 @@ def main(argv: list[str] | None = None) -> int:
     started, info = time.time(), common.machine()
     from transformers import AutoModelForCausalLM
 
+    from common.tokenization import encode_prompt
     from engine.model_loader import load_model
-    from engine.tokenization import encode_prompt
 
     loaded = load_model("smollm2-135m")
     model = AutoModelForCausalLM.from_pretrained(loaded.path, dtype=torch.float32).eval()

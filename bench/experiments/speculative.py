@@ -42,7 +42,7 @@ def excerpts(count: int) -> list[tuple[str, str]]:
 
 
 def prompts(tokenizer, count: int) -> list[list[int]]:
-    from engine.tokenization import encode_prompt
+    from common.tokenization import encode_prompt
 
     return [encode_prompt(tokenizer, f"Repeat the following code with the variable {var} renamed to {var}_new:\n\n{code}\n")
             for code, var in excerpts(count)]

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from engine.model_loader import DTYPES, LoadedModel, cache_root
+from common.model_files import cache_root
+from engine.model_loader import DTYPES, LoadedModel
 
 ASSETS = Path(__file__).resolve().parents[2] / ".gpu_assets" / "smollm2-tokenizer"
 

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common.engine_config import EngineConfig
-from engine.errors import RankLost
+from common.errors import RankLost
 from engine.kv_sink import SinkRequest
 from engine.model_loader import check_tensor_parallel
 from engine.model_runner import ModelRunner

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from engine.model_loader import DEMO_ALIAS, cache_root, resolve_model_path
+from common.model_files import DEMO_ALIAS, cache_root, resolve_model_path
 
 
 def build_tiny_model(

@@ -11,7 +11,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from engine.model_loader import cache_root
+from common.model_files import cache_root
 from engine.testing.tiny_models import build_tiny_model
 
 TOOL_CHAT_TEMPLATE = """\

@@ -13,7 +13,7 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from engine.sampling import MAX_N
+from common.sampling import MAX_N
 from router.openai.errors import invalid
 from router.openai.protocol import ROLES, ChatCompletionRequest, ChatMessage, CompletionRequest
 from router.openai.structured import ToolPlan, response_constraint, tool_plan

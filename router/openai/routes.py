@@ -26,8 +26,8 @@ from jinja2 import TemplateError
 from pydantic import BaseModel
 from starlette.background import BackgroundTask
 
+from common.errors import InvalidRequestError
 from common.tracing import http_context
-from engine.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded, Unavailable
 from router.openai.body import parse_body, read_body

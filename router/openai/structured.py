@@ -19,8 +19,8 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequestError
-from engine.sampling import StructuredOutput
+from common.errors import InvalidRequestError
+from common.sampling import StructuredOutput
 from router.openai.errors import invalid
 from router.validation import check_structured
 

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from bench.cluster import LocalCluster, stop_process, write_config
-from engine.sampling import SamplingParams
+from common.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import generate_via_router

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from bench.cluster import LocalCluster, write_config
-from engine.tokenization import encode_chat
+from common.tokenization import encode_chat
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 

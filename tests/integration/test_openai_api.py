@@ -12,7 +12,7 @@ import requests
 from transformers import LogitsProcessorList
 
 from bench.cluster import LocalCluster, write_config
-from engine.tokenization import encode_chat
+from common.tokenization import encode_chat
 from tests.conftest import hf_generate
 from tests.unit.test_engine_sampling_controls import OpenAIPenalties
 

@@ -112,7 +112,7 @@ def test_cli_generate_through_router(cluster, demo_model, hf_greedy):
         cwd=REPO, capture_output=True, text=True, timeout=120, check=True,
     )
     result = json.loads(out.stdout)
-    from engine.tokenization import encode_prompt
+    from common.tokenization import encode_prompt
 
     assert result["prompt_token_ids"] == encode_prompt(demo_model.tokenizer, "What is the capital of France?")
     assert result["token_ids"] == hf_greedy(tuple(result["prompt_token_ids"]), 16)

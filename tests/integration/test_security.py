@@ -22,8 +22,8 @@ import torch
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.cluster import LocalCluster, Proc, write_config
+from common.sampling import SamplingParams
 from common.security import Security, sync_channel
-from engine.sampling import SamplingParams
 from kvtransfer import AuthenticationFailed, KVEndpoint, KVSender, TransferHeader
 from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb

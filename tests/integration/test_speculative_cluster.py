@@ -15,7 +15,7 @@ import pytest
 import requests
 
 from bench.cluster import LocalCluster, write_config
-from engine.tokenization import encode_prompt
+from common.tokenization import encode_prompt
 from tests.integration.test_disaggregated import generate
 from tests.unit.test_engine_speculative import ALWAYS, GROUNDED
 

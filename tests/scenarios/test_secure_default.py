@@ -25,8 +25,8 @@ import psutil
 import pytest
 
 from bench.cluster import REPO, Proc, start_process, stop_process, write_config
+from common.sampling import SamplingParams
 from common.secrets import SECRET_ENV
-from engine.sampling import SamplingParams
 from kvtransfer import KVEndpoint, TransferHeader
 from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from common.sampling import SamplingParams
 from engine.block_manager import BlockManager
-from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import RequestState, Sequence
 

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
+from common.tokenization import encode_prompt
 from engine import SamplingParams, kernels
 from engine.model_loader import load_model
-from engine.tokenization import encode_prompt
 from tests.conftest import assert_no_leaked_blocks, make_engine, run_to_completion
 
 MAX_NEW = 40

@@ -2,11 +2,12 @@
 
 The layers, bottom first (a module may import its own layer and the layers below it):
 
-  0  proto (the generated pdserve.v1 stubs), common   torch-free: config, security, serving,
-                                                      registration, run_worker, plugin names
-  1  engine                                           the model runtime (torch)
-  2  proto.convert                                    engine dataclasses <-> pdserve.v1 messages;
-                                                      it imports the engine's torch-free types
+  0  proto (the generated pdserve.v1 stubs and        torch-free: config, security, serving,
+     proto.convert), common                           registration, run_worker, plugin names, the
+                                                      request types (errors, sampling, finish reason)
+                                                      and where a model's files are
+  1  engine                                           the model runtime (torch); engine.messages: its
+                                                      outputs and stats as pdserve.v1 messages
   3  kvtransfer                                       needs engine (KVCache, KVLayout); engine never
                                                       imports kvtransfer (the KV layer sink is passed
                                                       in), so kvtransfer sits above engine
@@ -38,7 +39,6 @@ REPO = Path(__file__).resolve().parents[2]
 LAYERS: list[tuple[str, ...]] = [
     ("proto", "common"),
     ("engine",),
-    ("proto.convert",),
     ("kvtransfer",),
     ("prefill_worker", "decode_worker"),
     ("role_worker",),
@@ -145,6 +145,39 @@ code = cli.main(["generate", "hi", "--router", "127.0.0.1:9", "--timeout", "5"])
 heavy = sorted(m for m in ("torch", "ray", "transformers") if m in sys.modules)
 print(code, ",".join(heavy) or "-")
 """
+
+
+ROUTER_WITHOUT_TORCH = """
+import asyncio, sys
+import router.main
+from common.config import load_config
+from common.serving import ServerControl
+
+async def run():
+    control = ServerControl()
+    control.bind()
+    args = router.main.parse_args(["--host", "127.0.0.1", "--grpc-port", "0", "--http-port", "0", "--internal-port", "0"])
+    server = asyncio.create_task(router.main.serve(load_config(None), args, control))
+    while not control.is_ready.is_set() and not server.done():
+        await asyncio.sleep(0.05)
+    loaded = sorted(m for m in ("torch", "transformers.modeling_utils", "engine") if m in sys.modules)
+    control.stop.set()
+    await server
+    return loaded, control.info
+
+loaded, info = asyncio.run(run())
+print(",".join(loaded) or "-", info.get("grpc_port", 0) > 0)
+"""
+
+
+def test_the_router_process_does_not_load_torch():
+    """The router as `python -m router` runs it (config, tokenizer, both gRPC planes, HTTP), up to ready and stopped."""
+    result = subprocess.run([sys.executable, "-c", ROUTER_WITHOUT_TORCH], cwd=REPO, capture_output=True, text=True, timeout=180,
+                            check=False)
+    assert result.returncode == 0, result.stderr
+    loaded, served = result.stdout.split()
+    assert served == "True", result.stderr
+    assert loaded == "-", f"the router loaded {loaded}"
 
 
 def test_common_router_and_generate_client_do_not_load_torch():

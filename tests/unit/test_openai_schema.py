@@ -7,7 +7,7 @@ import json
 import pytest
 from fastapi.testclient import TestClient
 
-from engine.errors import InvalidRequestError
+from common.errors import InvalidRequestError
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.admission import Overloaded, Unavailable
 from router.http_app import build_app

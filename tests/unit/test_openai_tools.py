@@ -9,7 +9,7 @@ import json
 import jsonschema
 import pytest
 
-from engine.sampling import StructuredOutput
+from common.sampling import StructuredOutput
 from proto.convert import sampling_from_proto, sampling_to_proto
 from router.openai.errors import OpenAIError
 from router.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -111,7 +111,7 @@ def test_named_and_required_outputs():
 @pytest.mark.parametrize("constraint", [StructuredOutput("json_object"), StructuredOutput("json_schema", json.dumps(SCHEMA)),
                                         StructuredOutput("regex", "[a-z]+"), StructuredOutput("grammar", 'root ::= "yes"')])
 def test_the_constraint_travels_through_the_proto(constraint):
-    from engine.sampling import SamplingParams
+    from common.sampling import SamplingParams
 
     params = SamplingParams(max_tokens=8, structured=constraint)
     assert sampling_from_proto(sampling_to_proto(params)).structured == constraint

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from engine.sampling import SamplingParams
+from common.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.detokenizer import IncrementalDetokenizer
 from router.metrics import RouterMetrics

@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
+from common.errors import InvalidRequestError
+from common.sampling import SamplingParams
 from proto.convert import sampling_from_proto, sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.grpc_api import request_from_proto

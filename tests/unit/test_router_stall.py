@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from engine.sampling import SamplingParams
+from common.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from router.metrics import RouterMetrics
 from router.progress import Progress, SequenceProgress

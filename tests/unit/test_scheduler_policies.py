@@ -7,10 +7,10 @@ from __future__ import annotations
 import pytest
 
 from common.engine_config import EngineConfig
+from common.errors import InvalidRequestError
+from common.sampling import SamplingParams
 from common.validation import ConfigError
 from engine.block_manager import BlockManager
-from engine.errors import InvalidRequestError
-from engine.sampling import SamplingParams
 from engine.scheduler import Scheduler, SchedulerConfig
 from engine.sequence import RequestState, Sequence, check_priority
 

@@ -19,9 +19,9 @@ from transformers import AutoModelForCausalLM
 from bench.cluster import REPO
 from common.config import config_from_dict
 from common.engine_config import EngineConfig
+from common.errors import ModelLoadError, RankLost
 from common.validation import ConfigError
 from engine import Engine, SamplingParams
-from engine.errors import ModelLoadError, RankLost
 from engine.testing.tiny_models import build_tiny_model
 from tests.conftest import assert_no_leaked_blocks, hf_generate, run_to_completion
 
