@@ -286,7 +286,7 @@ def test_docs_section_is_replaced_in_place(tmp_path):
 
 
 def test_workers_get_one_core_each():
-    from bench.experiments.cluster import BenchCluster, bench_config
+    from bench.cluster import BenchCluster, bench_config
 
     pinned = BenchCluster(bench_config(), num_prefill=1, num_decode=1, pin=True, cores=[0, 1])
     assert [pinned._core(0), pinned._core(1)] == [0, 1]
