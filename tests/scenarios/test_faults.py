@@ -13,7 +13,8 @@ and no live worker holds a KV block. Scenarios, in file order:
   prefill worker killed   SIGKILL mid-transfer (test hook stalls it after layer 10); retry
   router restarted        SIGKILL, new router on the same port; workers re-register
 
-Each scenario writes its measured recovery time to bench/results/faults.json.
+Each scenario writes its measured recovery time to faults.json in the results directory (tests/scenarios/conftest.py:
+bench/results/faults.json when PDSERVE_RESULTS_DIR=bench/results).
 """
 
 from __future__ import annotations
@@ -26,12 +27,13 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Self
 
 import grpc
 import pytest
 
-from bench.cluster import REPO, LocalCluster, Proc, write_config
+from bench.cluster import LocalCluster, Proc, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -44,7 +46,6 @@ DEADLINE_S = 90.0
 HEARTBEAT_TIMEOUT_S = 3.0
 STALL_TIMEOUT_S = 5.0
 KV_TIMEOUT_S = 12.0
-RESULTS = REPO / "bench" / "results" / "faults.json"
 COMMAND = ".venv/bin/pytest tests/scenarios/test_faults.py"
 
 # First attempts only (`.0-`), so the router's retry succeeds; `badkv-` requests fail on every attempt.
@@ -200,9 +201,10 @@ def live_ids(cluster: LocalCluster) -> set[str]:
     return {p.ready["worker_id"] for p in [*cluster.prefill, *cluster.decode] if p.alive()}
 
 
-def record(scenario: str, **values) -> None:
-    """Merge one scenario's measurements into bench/results/faults.json (the docs quote it)."""
-    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+def record(results_dir: Path, scenario: str, **values) -> None:
+    """Merge one scenario's measurements into faults.json (bench/results/faults.json: the docs quote it)."""
+    results = results_dir / "faults.json"
+    data = json.loads(results.read_text()) if results.exists() else {}
     data.setdefault("scenarios", {})
     data.update({
         "command": COMMAND,
@@ -212,8 +214,7 @@ def record(scenario: str, **values) -> None:
     })
     values["recorded_at"] = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
     data["scenarios"][scenario] = {k: round(v, 2) if isinstance(v, float) else v for k, v in values.items()}
-    RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+    results.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
 
 
 def hooked(procs: list[Proc], marker: str, timeout: float = 120.0) -> Proc:
@@ -268,7 +269,7 @@ def start_special(address: str, request_id: str, prompt: list[int]) -> tuple[thr
 # --- scenarios ------------------------------------------------------------------------------
 
 
-def test_kv_transfer_faults_are_detected_and_retried(cluster, prompts, hf_greedy):
+def test_kv_transfer_faults_are_detected_and_retried(cluster, prompts, hf_greedy, results_dir):
     retries_before = counter(cluster, "pdserve_prefill_retries_total")
     special = {kind: prompts[i] for i, kind in enumerate(["corrupt", "trunc", "drop", "cut", "delay", "badkv"])}
     with SteadyLoad(cluster.router.address, prompts) as load:
@@ -301,12 +302,12 @@ def test_kv_transfer_faults_are_detected_and_retried(cluster, prompts, hf_greedy
     assert any("[cut-1.0-" in line and ("disconnected" in line or "cancelled" in line) for line in decode_log), decode_log
     assert counter(cluster, "pdserve_prefill_retries_total") - retries_before >= 6  # 4 first attempts + badkv twice
     typical = statistics.median(o.ended - o.started for o in load.outcomes if o.ok)
-    record("kv_transfer_faults", load=result, typical_request_s=typical,
+    record(results_dir, "kv_transfer_faults", load=result, typical_request_s=typical,
            **{f"{kind}_request_s": results[kind].ended - results[kind].started for kind in special},
            what="e2e latency of the faulted request (detection + retry on a prefill worker) vs the median request")
 
 
-def test_decode_worker_paused_leaves_and_rejoins_rotation(cluster, prompts, hf_greedy):
+def test_decode_worker_paused_leaves_and_rejoins_rotation(cluster, prompts, hf_greedy, results_dir):
     victim = cluster.decode[0]
     vid = victim.ready["worker_id"]
     stalls_before = counter(cluster, "pdserve_decode_stalls_total")
@@ -327,8 +328,8 @@ def test_decode_worker_paused_leaves_and_rejoins_rotation(cluster, prompts, hf_g
         wait_until(lambda: worker_metric(cluster, "pdserve_worker_routed_requests", vid) > routed_out, 60, "new requests routed to it")
         load.wait_ok(CONCURRENCY, after=back_at)
         result = finish_scenario(cluster, load, hf_greedy)
-    record("decode_paused", load=result, out_of_rotation_after_s=out_at - stopped_at, back_in_rotation_after_s=back_at - resumed_at,
-           paused_for_s=resumed_at - stopped_at, its_streams_migrated_after_s=stalled_at - stopped_at,
+    record(results_dir, "decode_paused", load=result, out_of_rotation_after_s=out_at - stopped_at,
+           back_in_rotation_after_s=back_at - resumed_at, paused_for_s=resumed_at - stopped_at, its_streams_migrated_after_s=stalled_at - stopped_at,
            what="SIGSTOP -> router marks it unhealthy (heartbeat timeout) and moves its silent streams (stall timeout); "
                 "SIGCONT -> next heartbeat puts it back")
 
@@ -357,21 +358,21 @@ def _kill_mid_request(cluster, prompts, hf_greedy, pool: str, request_id: str, p
                 victim_request_done_after_s=killed.ended - killed_at, replacement_joined_after_s=joined_at - replaced_at)
 
 
-def test_decode_worker_killed_mid_decode_migrates(cluster, prompts, hf_greedy):
+def test_decode_worker_killed_mid_decode_migrates(cluster, prompts, hf_greedy, results_dir):
     figures = _kill_mid_request(cluster, prompts, hf_greedy, "decode", "dkill-1", prompts[3], "decode.after_tokens",
                                 "pdserve_migrations_total")
-    record("decode_killed", **figures,
+    record(results_dir, "decode_killed", **figures,
            what="SIGKILL mid-decode -> in-flight requests migrate; first request started after the kill completes")
 
 
-def test_prefill_worker_killed_mid_transfer_is_retried(cluster, prompts, hf_greedy):
+def test_prefill_worker_killed_mid_transfer_is_retried(cluster, prompts, hf_greedy, results_dir):
     figures = _kill_mid_request(cluster, prompts, hf_greedy, "prefill", "pkill-1", prompts[6], "prefill.after_layer",
                                 "pdserve_prefill_retries_total")
-    record("prefill_killed", **figures,
+    record(results_dir, "prefill_killed", **figures,
            what="SIGKILL after layer 10 of 30 was sent -> the router retries the prefill on the other worker")
 
 
-def test_router_restart_workers_reregister(cluster, prompts, hf_greedy):
+def test_router_restart_workers_reregister(cluster, prompts, hf_greedy, results_dir):
     with SteadyLoad(cluster.router.address, prompts) as load:
         load.wait_ok(4)
         killed_at = cluster.restart_router(signal.SIGKILL)
@@ -382,6 +383,6 @@ def test_router_restart_workers_reregister(cluster, prompts, hf_greedy):
         result = finish_scenario(cluster, load, hf_greedy)
     late = [o for o in load.outcomes if o.started >= registered_at]
     assert late and all(o.ok for o in late), summary(late)
-    record("router_restarted", load=result, first_new_success_after_s=first_ok - killed_at,
+    record(results_dir, "router_restarted", load=result, first_new_success_after_s=first_ok - killed_at,
            new_router_ready_after_s=ready_at - killed_at, workers_reregistered_after_s=registered_at - killed_at,
            what="SIGKILL the router, start a new one on the same gRPC port; in-flight requests end UNAVAILABLE")

@@ -5,7 +5,7 @@ HTTP streaming, half gRPC streaming, each asking for 16 tokens with ignore_eos) 
 excess must be refused at once (429 with Retry-After / RESOURCE_EXHAUSTED) and retried after a
 short back-off; every admitted request must finish with exactly 16 tokens; no other outcome is
 allowed. RSS of the router and the workers is sampled every second, and tokens/s of admitted
-requests is measured over the first and the last 20 s. Results: bench/results/overload.json.
+requests is measured over the first and the last 20 s. Results: overload.json in the results directory (tests/scenarios/conftest.py).
 
 Asserted: refusals over both protocols, zero errors, the router's RSS grows < 200 MB over the second
 half, admitted throughput non-zero in both windows (no speed is asserted), no KV block leaked.
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from bench.cluster import REPO, LocalCluster
+from bench.cluster import LocalCluster
 from tests.scenarios.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 
 MAX_QUEUED = 8
@@ -31,7 +31,6 @@ DURATION_S = float(os.environ.get("PDSERVE_OVERLOAD_S", "60"))
 WINDOW_S = min(20.0, DURATION_S / 3)
 MAX_TOKENS = 16
 RSS_GROWTH_LIMIT_MB = 200
-REPORT = REPO / "bench" / "results" / "overload.json"
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def overload_job(rng: random.Random) -> Job:
     return Job(protocol, f"Count from {rng.randint(1, 999)} upwards:", MAX_TOKENS)
 
 
-def test_four_times_the_admission_limit_for_a_minute(cluster):
+def test_four_times_the_admission_limit_for_a_minute(cluster, results_dir):
     with RssSampler(process_ids(cluster)) as rss:
         result = asyncio.run(run_load(cluster.http_url, cluster.router.address, CLIENTS, DURATION_S, overload_job))
     first, last = result.tokens_per_s(0, WINDOW_S), result.tokens_per_s(DURATION_S - WINDOW_S, DURATION_S)
@@ -60,7 +59,7 @@ def test_four_times_the_admission_limit_for_a_minute(cluster):
         "router_rss_growth_second_half_mb": round(rss.growth_second_half("router"), 1),
         "rss_samples": rss.samples,
     }
-    write_report(REPORT, report)
+    write_report(results_dir / "overload.json", report)
 
     assert not result.errors(), json.dumps(report["errors"], indent=1)
     for protocol in ("http", "grpc"):

@@ -22,7 +22,6 @@ import random
 import pytest
 import requests
 
-from bench.cluster import REPO
 from router.openai.routes import RETRY_AFTER_S
 from tests.scenarios.load_clients import Job, RssSampler, admission_limited_cluster, run_load
 from tests.scenarios.test_overload import process_ids, write_report
@@ -34,7 +33,6 @@ PROMPT_WORDS = (5, 200, 1000)
 MAX_TOKENS = (1, 8, 32, 64)
 CANCEL_SHARE = 1 / 6
 RSS_GROWTH_LIMIT_MB = 200
-REPORT = REPO / "bench" / "results" / "soak.json"
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +50,7 @@ def soak_job(rng: random.Random) -> Job:
 
 @pytest.mark.slow
 @pytest.mark.timeout(DURATION_S + 300)  # the load itself runs DURATION_S; the suite-wide 600 s limit would cut it
-def test_soak_mixed_traffic_with_cancellations(cluster):
+def test_soak_mixed_traffic_with_cancellations(cluster, results_dir):
     with RssSampler(process_ids(cluster)) as rss:
         result = asyncio.run(run_load(cluster.http_url, cluster.router.address, CLIENTS, DURATION_S, soak_job, seed=7,
                                       backoff_s=RETRY_AFTER_S))
@@ -69,7 +67,7 @@ def test_soak_mixed_traffic_with_cancellations(cluster):
         "router_rss_growth_second_half_mb": round(rss.growth_second_half("router"), 1),
         "rss_samples": rss.samples[:: max(1, len(rss.samples) // 120)],
     }
-    write_report(REPORT, report)
+    write_report(results_dir / "soak.json", report)
 
     assert not result.errors(), json.dumps(report["errors"], indent=1)
     for protocol in ("http", "grpc"):

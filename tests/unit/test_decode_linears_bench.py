@@ -16,7 +16,13 @@ pytestmark = pytest.mark.skipif(BUILT is None or not BUILT.one_row_linear_availa
                                        "torch does not pack for AMX tiles")
 
 
-def test_quick_run_writes_both_parts():
+@pytest.fixture
+def quick_results_in_tmp(monkeypatch, tmp_path):
+    """--quick results go to tmp_path, not bench/results/quick: a test writes nothing under the repository."""
+    monkeypatch.setattr(common, "use_quick_results", lambda: monkeypatch.setattr(common, "RESULTS", tmp_path))
+
+
+def test_quick_run_writes_both_parts(quick_results_in_tmp):
     assert decode_linears.main(["--quick", "--threads", "1"]) == 0
     report = json.loads((common.RESULTS / "decode_linears.json").read_text())
     assert [r["rows"] for r in report["layers"]] == [1, 8]

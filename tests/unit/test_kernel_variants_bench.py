@@ -49,8 +49,14 @@ def test_unknown_variant_is_a_usage_error(capsys):
     assert "no_such_variant" in capsys.readouterr().err
 
 
+@pytest.fixture
+def quick_results_in_tmp(monkeypatch, tmp_path):
+    """--quick results go to tmp_path, not bench/results/quick: a test writes nothing under the repository."""
+    monkeypatch.setattr(common, "use_quick_results", lambda: monkeypatch.setattr(common, "RESULTS", tmp_path))
+
+
 @pytest.mark.skipif(kernels.load() is None, reason="the C++ kernels need a compiler")
-def test_quick_run_times_every_case_and_dtype():
+def test_quick_run_times_every_case_and_dtype(quick_results_in_tmp):
     assert kernel_variants.main(["--quick", "--variants", "current", "--threads", "1"]) == 0
     report = json.loads((common.RESULTS / "kernel_variants.json").read_text())
     assert set(report["cases"]) == {"decode_float32", "decode_bfloat16", "prompt_float32", "prompt_bfloat16", "linears_float32_1rows"}
