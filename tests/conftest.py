@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench.prompts import DEMO_PROMPTS
 from common.hardware import cpu_info
 from engine import Engine, EngineConfig
 from engine.model_loader import LoadedModel, load_model
@@ -56,18 +57,6 @@ SUMS_AS_TORCH_BF16 = "avx512_bf16" in cpu_info().features and "amx_bf16" not in 
 """Whether this CPU is one where the paged kernel's bf16 sums were measured to follow torch's CPU flash
 attention (AVX512-BF16 without AMX: torch takes MKL's GEMMs; with AMX it packs for oneDNN's brgemm, whose
 order is not reproduced). Tests assert bit-equality with transformers' bf16 only here."""
-
-DEMO_PROMPTS = [
-    "What is the capital of France?",
-    "Write a haiku about the sea.",
-    "List three prime numbers.",
-    "Explain, in two sentences, why the sky is blue and what Rayleigh scattering has to do with it. "
-    "Then give one everyday example of the same effect that a child could observe at home.",
-    "def fibonacci(n):",
-    "Translate 'good morning' into Spanish, French and German.",
-    "The history of the Roman Empire spans many centuries. " * 12 + "Summarize it in one sentence.",
-    "hi",
-]
 
 
 @pytest.fixture(scope="session")

@@ -2,7 +2,7 @@
 
     sudo python -m bench.experiments.kv_link_rate [--rates 1 10 25] [--lengths 256 1024 2048 4096] [--repeats 1]
 
-Two hosts are network namespaces (tests/multihost/net.py): a prefill worker on host A
+Two hosts are network namespaces (bench/net.py): a prefill worker on host A
 (198.18.0.1) and a decode worker on host B (198.18.0.2), real processes, one torch thread each,
 KV over the default `ucx` transport, B's link limited with tc `tbf` to each rate in turn. This
 process joins host A's namespace and plays the router (bench/experiments/kv_transfer.py's
@@ -30,10 +30,10 @@ from typing import Any
 
 import yaml
 
+from bench import net
 from bench.cluster import bench_config, start_process, stop_process
 from bench.experiments import common
 from bench.experiments.kv_transfer import measure
-from tests.multihost import net
 
 CONFIGS = (("layerwise", True, "native"), ("layerwise", True, "int8"), ("whole", False, "native"), ("whole", False, "int8"))
 _CLONE_NEWNET = 0x40000000

@@ -31,7 +31,7 @@ from kvtransfer import codec
 
 
 def prompts() -> list[str]:
-    from tests.conftest import DEMO_PROMPTS
+    from bench.prompts import DEMO_PROMPTS
 
     long = [" ".join(DEMO_PROMPTS[i:] + DEMO_PROMPTS[:i]) + " Answer the last question." for i in range(4)]
     return list(DEMO_PROMPTS) + long

@@ -14,7 +14,7 @@ import signal
 import sys
 from pathlib import Path
 
-from tests.multihost import net
+from bench import net
 from tests.multihost.cluster import STATE_FILE, HostSpec, MultiHostCluster, remove_leftovers
 
 

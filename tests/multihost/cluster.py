@@ -1,6 +1,6 @@
 """A pdserve cluster over several namespace hosts: one Ray node per host, `pdserve serve` on host 1.
 
-Lifecycle: `MultiHostCluster(hosts).up()` creates the network (tests/multihost/net.py), sets
+Lifecycle: `MultiHostCluster(hosts).up()` creates the network (bench/net.py), sets
 each host's link rate, starts `ray start --head` in host 1 and `ray start --address` in every
 other host (each with `--node-ip-address <its IP>`, its own `--temp-dir`, and a custom resource
 `host_<i>` plus whatever the host spec adds, so configs pin pools with `resources`).
@@ -25,8 +25,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import net
 from bench.cluster import REPO, Proc, start_process, stop_process
-from tests.multihost import net
 
 RAY_PORT = 6379
 WORK_DIR = Path("/tmp/pdmh")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.multihost import net
+from bench import net
 from tests.multihost.cluster import HostSpec, MultiHostCluster, remove_leftovers
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multihost import net
+from bench import net
 from tests.multihost.cluster import remove_leftovers
 
 pytestmark = pytest.mark.multihost

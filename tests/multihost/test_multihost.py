@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.multihost import net
+from bench import net
 from tests.multihost.cluster import WORK_DIR, HostSpec, MultiHostCluster
 
 pytestmark = pytest.mark.multihost
