@@ -146,9 +146,10 @@ def _speculative(r: dict) -> dict:
 
 
 def _adaptive(r: dict) -> dict:
-    a = r["acceptance"] or {}
-    return {"adaptive_goodput": a.get("adaptive"), "best_fixed": a.get("best_fixed"), "best_fixed_goodput": a.get("best_goodput"),
-            "over_best_fixed": a.get("over_best"), "met": a.get("met")}
+    by_config = r.get("acceptance_by_config") or {"adaptive": r["acceptance"]}
+    first = next(iter(by_config.values()))
+    return {"best_fixed": first["best_fixed"], "best_fixed_goodput_req_s": first["best_goodput"],
+            **{name: {"goodput_req_s": a["adaptive"], "over_best_fixed": a["over_best"]} for name, a in by_config.items()}}
 
 
 def _priority(r: dict) -> dict:

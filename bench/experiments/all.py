@@ -1,10 +1,10 @@
-"""Regenerate every serving experiment, then the "Serving" section of docs/benchmarks.md.
+"""Regenerate every serving experiment, then their page docs/benchmarks/serving.md.
 
     python -m bench.experiments.all [--quick] [--only NAME ...] [--no-docs]
 
 Runs each experiment as its own process, one after the other (they start and stop their own
 router/worker processes), writes bench/results/all.json (exit codes, durations, load averages)
-and renders docs/benchmarks.md's Serving section from the JSON results (bench.experiments.report).
+and renders docs/benchmarks/serving.md from the JSON results (bench.experiments.report).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""docs/benchmarks.md's first-request table, rendered from the experiment's JSON."""
+"""docs/benchmarks/serving.md's first-request table, rendered from the experiment's JSON."""
 
 from __future__ import annotations
 
@@ -21,6 +21,6 @@ def test_table_row_per_cluster_names_the_stages_that_paid_the_cold_extra():
 
 def test_missing_results_say_how_to_make_them():
     lines = section("A fresh cluster's first request", "first_request", section_first_request, None)
-    assert lines[0] == "### A fresh cluster's first request"
+    assert lines[0] == "## A fresh cluster's first request"
     assert "Not run yet: `python -m bench.experiments.first_request`." in lines
     assert ("A fresh cluster's first request", "first_request", section_first_request) in SECTIONS
