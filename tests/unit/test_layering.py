@@ -28,6 +28,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -108,6 +109,19 @@ def test_layers_cover_every_production_package():
 
 def test_imports_only_go_down():
     assert upward_imports() == []
+
+
+def test_the_package_ships_every_layer():
+    """pyproject.toml's package list names every production package (role_worker was missing: a wheel could not start a worker)."""
+    include = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"])
+    assert {f"{top}*" for names in LAYERS for top in names if "." not in top} <= include
+
+
+def test_nothing_that_ships_imports_tests():
+    """tests/ is not in the package: a shipped module (bench included) importing it breaks an installed pdserve."""
+    bad = [f"{path.relative_to(REPO)}:{line}: {target}" for module, path in production_modules()
+           for line, target in imported_modules(module, path) if target == "tests" or target.startswith("tests.")]
+    assert bad == []
 
 
 def test_the_check_sees_function_level_and_type_checking_imports(tmp_path):
