@@ -192,6 +192,12 @@ def _gpu_check(r: dict) -> dict:
     return {k: s[k] for k in keep if k in s}
 
 
+def _trace_replay(r: dict) -> dict:
+    return {name: {"ttft_p50_ms": m["ttft_ms"]["p50"], "ttft_p99_ms": m["ttft_ms"]["p99"], "goodput": m["goodput"],
+                   "of_reuse_bound": m["of_reuse_bound"], "kv_mb_per_request": m["kv_bytes_moved_per_request"] / 1e6}
+            for name, res in r["results"].items() if (m := res.get("metrics"))}
+
+
 HEADLINES: dict[str, Callable[[dict], dict]] = {
     "engine": _engine,
     "static_vs_continuous": _static,
@@ -209,5 +215,6 @@ HEADLINES: dict[str, Callable[[dict], dict]] = {
     "kvtransfer": _kvtransfer,
     "kvtransfer_tp": _kvtransfer_tp,
     "gpu_check": _gpu_check,
+    "trace_replay": _trace_replay,
 }
 """Experiment (or the prefix of its file name, e.g. engine_xeon_amx) -> its headline figures."""

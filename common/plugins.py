@@ -21,6 +21,7 @@ ROUTING_POLICIES: dict[str, str] = {
     "round_robin": "router.policy:RoundRobin",
     "least_loaded": "router.policy:LeastLoaded",
     "prefix_aware": "router.policy:PrefixAware",
+    "kv_aware": "router.policy:KVAware",
 }
 
 

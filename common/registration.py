@@ -1,20 +1,72 @@
 """Worker side of the registry: register with the router, heartbeat with stats, re-register when
 the router forgets us (router restart), deregister on shutdown. Calls go over the cluster's
-internal channel (common/security.py: TLS and the shared secret when configured)."""
+internal channel (common/security.py: TLS and the shared secret when configured).
+
+Beside the heartbeat, `KVEventReporter` sends the engine's prefix-cache changes (blocks stored and
+evicted, common/block_hash.py) to the router's KV index: numbered batches of the registration's
+epoch (RegisterResponse.epoch; a heartbeat may announce a new one), a snapshot of the whole cache
+first and after any failed send or a gap the router saw, then one batch per heartbeat interval, or
+sooner once many events are pending.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
+from common.block_hash import BlockEvents
 from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 ROLES = {"prefill": pb.ROLE_PREFILL, "decode": pb.ROLE_DECODE}
+TIERS = {"pool": pb.KV_TIER_POOL, "host": pb.KV_TIER_HOST, "disk": pb.KV_TIER_DISK}
+TICK_S = 0.1
+"""How often the loop looks whether a heartbeat or a batch of KV events is due."""
+
+
+class KVEventReporter:
+    """Sends one engine's KV events to the router, numbered per registration epoch."""
+
+    early_flush_events = 512
+    """Pending events that make a batch go before the heartbeat interval is up."""
+
+    def __init__(self, engine, worker_id: str, stub: pb_grpc.RegistryStub):
+        """`engine`: has `kv_events(snapshot)` (a BlockEvents) and `pending_kv_events` (engine.AsyncEngine)."""
+        self.engine = engine
+        self.worker_id = worker_id
+        self.stub = stub
+        self.epoch = 0
+        self.seq = 0
+        self.snapshot_due = True
+        self.sent_at = float("-inf")
+
+    def begin(self, epoch: int) -> None:
+        """The router's current epoch for us; a new one starts the numbering again with a snapshot."""
+        if epoch != self.epoch:
+            self.epoch, self.seq, self.snapshot_due = epoch, 0, True
+
+    def due(self, interval_s: float) -> bool:
+        if not self.epoch:
+            return False  # a router without a KV index
+        return self.snapshot_due or self.engine.pending_kv_events >= self.early_flush_events or time.monotonic() - self.sent_at >= interval_s
+
+    async def send(self) -> None:
+        """Drain and send one batch; a failed send makes the next one a snapshot (the router may or may
+        not have applied it) and raises."""
+        events: BlockEvents = await self.engine.kv_events(snapshot=self.snapshot_due)
+        self.seq += 1
+        self.sent_at = time.monotonic()
+        batch = pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, snapshot=events.snapshot)
+        for stored, hashes in events.runs:
+            batch.events.add(stored=stored, tier=TIERS[events.tier], block_hashes=hashes)
+        self.snapshot_due = True
+        reply = await self.stub.ReportKVEvents(batch, timeout=5.0)
+        self.snapshot_due = reply.snapshot_wanted
 
 
 class RegistrationLoop:
@@ -30,6 +82,8 @@ class RegistrationLoop:
         """Set once the router accepted our Register (a role switch waits for it)."""
         self._channel = (security or Security()).channel(router_address)
         self._stub = pb_grpc.RegistryStub(self._channel)
+        engine = getattr(service, "engine", None)
+        self.kv_events = KVEventReporter(engine, worker_id, self._stub) if hasattr(engine, "kv_events") else None
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())
@@ -54,17 +108,26 @@ class RegistrationLoop:
 
     async def _run(self) -> None:
         registered = False
+        next_beat = 0.0
         while True:
             try:
                 if not registered:
                     reply = await self._stub.Register(pb.RegisterRequest(worker=self.info), timeout=5.0)
                     self.interval_s = reply.heartbeat_interval_s or self.interval_s
                     registered = True
+                    self._begin_epoch(reply.epoch)
                     self.registered.set()
                     log.info("registered with router %s", self.router_address)
-                stats = await self.service.Stats(pb.StatsRequest(), None)
-                reply = await self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.info.worker_id, stats=stats), timeout=5.0)
-                registered = reply.known
+                if time.monotonic() >= next_beat:
+                    next_beat = time.monotonic() + self.interval_s
+                    stats = await self.service.Stats(pb.StatsRequest(), None)
+                    reply = await self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.info.worker_id, stats=stats), timeout=5.0)
+                    registered = reply.known
+                    self._begin_epoch(reply.epoch)
+                if registered and self.kv_events is not None and self.kv_events.due(self.interval_s):
+                    await self.kv_events.send()
+                await asyncio.sleep(TICK_S)
+                continue
             except grpc.aio.AioRpcError as exc:
                 registered = False
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:  # misconfigured: say so, not just retry
@@ -73,4 +136,9 @@ class RegistrationLoop:
                     log.warning("router %s refused us: %s", self.router_address, exc.details())
                 else:
                     log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
+            next_beat = 0.0
             await asyncio.sleep(self.interval_s)
+
+    def _begin_epoch(self, epoch: int) -> None:
+        if self.kv_events is not None:
+            self.kv_events.begin(epoch)

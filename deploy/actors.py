@@ -206,7 +206,8 @@ class RouterActor:
         async def read() -> dict[str, Any]:
             return {"draining": router.draining, "in_flight_requests": router.admission.requests,
                     "in_flight_prompt_tokens": router.admission.tokens, "critical_path": router.metrics.critical_path.breakdown(window_s),
-                    "local_prefill_threshold": router.orchestrator.local_prefill_threshold}
+                    "local_prefill_threshold": router.orchestrator.local_prefill_threshold,
+                    "kv_index": router.pool.kv_index.summary({w.worker_id: w.role for w in router.pool.workers.values()})}
 
         return self.server.call(read, timeout_s=10.0)
 

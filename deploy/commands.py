@@ -118,6 +118,7 @@ def format_status(report: dict) -> str:
             lines.append(f"  {w['id']:<12} {w['address'] or '-':<22} {w['health']:<10} in_flight={w['in_flight']} "
                          f"queued={w['queued_requests']} ({w['queued_prompt_tokens']} tok) running={w['running_requests']} "
                          f"kv={100 * w['kv_usage']:.0f}%")
+    lines.extend(format_kv_index(r.get("kv_index")))
     lines.extend(format_critical_path(r.get("critical_path")))
     scaler = report.get("autoscaler", {})
     lines.append(f"autoscaler {'on' if scaler.get('enabled') else 'off'}  mode {scaler.get('mode', 'pools')}")
@@ -126,6 +127,21 @@ def format_status(report: dict) -> str:
         when = time.strftime("%H:%M:%S", time.localtime(event["time"]))
         lines.append(f"  {when} {event['pool']}: {event.get('from', '?')} -> {event.get('to', '?')} ({event['reason']})")
     return "\n".join(lines)
+
+
+def format_kv_index(index: dict | None) -> list[str]:
+    """The router's KV index (router.kv_index.KVIndex.summary): blocks, exactness and lag per worker."""
+    if index is None:
+        return []
+    workers = index["workers"]
+    exact = sum(1 for w in workers.values() if w["exact"])
+    lines = [f"kv index {index['distinct_blocks']} distinct block(s), {exact}/{len(workers)} worker(s) exact"]
+    for worker_id, w in sorted(workers.items()):
+        lag = "no batch yet" if w["lag_s"] is None else f"lag {w['lag_s']:.1f} s"
+        state = "exact" if w["exact"] else (f"INEXACT ({w['missing_batches']} batch(es) missing)" if w["missing_batches"]
+                                            else "INEXACT (no snapshot yet)")
+        lines.append(f"  {worker_id:<12} {w['role'] or '-':<8} {w['blocks']} block(s)  {state}  {lag}")
+    return lines
 
 
 def format_critical_path(cp: dict | None) -> list[str]:

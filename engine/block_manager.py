@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from common.block_hash import ROOT, BlockEvents, next_hash
 from engine.sequence import Sequence
 
 
@@ -34,6 +35,10 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         self._seq_hashes: dict[str, list[int]] = {}  # request id -> hashes of its full blocks
         self.prefix_stats = PrefixCacheStats()
+        self._events: list[tuple[bool, int]] = []  # (stored?, hash) since the last drain
+        self._events_lost = False
+        self.max_pending_events = max(4096, 4 * num_blocks)
+        """Undrained events past this many are dropped, and the next drain is a snapshot instead."""
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -119,6 +124,7 @@ class BlockManager:
             if h not in self._cached and block not in self._block_hash:
                 self._cached[h] = block
                 self._block_hash[block] = h
+                self._record(True, h)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references; blocks nobody holds return to the free list."""
@@ -143,12 +149,42 @@ class BlockManager:
         del seq.block_ids[keep:]
 
     def reset_prefix_cache(self) -> None:
+        for h in self._cached:
+            self._record(False, h)
         self._cached.clear()
         self._block_hash.clear()
 
+    # ---- KV events (what the router's index learns) ---------------------------------------------
+    @property
+    def num_pending_events(self) -> int:
+        """Events not drained yet (read from any thread: a worker decides whether to send early)."""
+        return len(self._events)
+
+    def drain_events(self, snapshot: bool = False) -> BlockEvents:
+        """The stores and evictions since the last drain; a snapshot of every cached block instead when
+        `snapshot` is asked or events were dropped (nobody drained them)."""
+        events, self._events = self._events, []
+        if snapshot or self._events_lost:
+            self._events_lost = False
+            return BlockEvents([(True, list(self._cached))], snapshot=True)
+        return BlockEvents.of(events)
+
+    def cached_hashes(self) -> list[int]:
+        """Every block hash the prefix cache holds now (tests compare it with the router's index)."""
+        return list(self._cached)
+
+    def _record(self, stored: bool, h: int) -> None:
+        if self._events_lost:
+            return
+        if len(self._events) >= self.max_pending_events:
+            self._events.clear()
+            self._events_lost = True
+            return
+        self._events.append((stored, h))
+
     # ---- internals -----------------------------------------------------------------------------
     def _hash(self, parent: int | None, tokens: list[int]) -> int:
-        return hash((parent, tuple(tokens)))
+        return next_hash(ROOT if parent is None else parent, tokens)
 
     def _take(self, block: int) -> None:
         if self._ref_counts[block] == 0:
@@ -160,5 +196,6 @@ class BlockManager:
         h = self._block_hash.pop(block, None)
         if h is not None and self._cached.get(h) == block:
             del self._cached[h]
+            self._record(False, h)
         self._ref_counts[block] = 1
         return block

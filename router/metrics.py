@@ -46,6 +46,8 @@ class RouterMetrics:
                                    ["role", "worker"], registry=r)
         self.engines = WorkerEngineCollector()
         r.register(self.engines)
+        self.kv_index = KVIndexCollector()
+        r.register(self.kv_index)
         for stage in STAGES:
             self.stages.labels(stage=stage)
         for outcome in ("ok", "invalid", "overloaded", "error", "cancelled"):
@@ -57,8 +59,11 @@ class RouterMetrics:
             self.stages.labels(stage=stage).observe(max(0.0, value))
         self.critical_path.record(timings, completion_tokens)
 
-    def observe_workers(self, workers) -> None:
-        """Publish the pool's view of each registered worker (router.pool.Worker objects)."""
+    def observe_workers(self, workers, kv_index=None) -> None:
+        """Publish the pool's view of each registered worker (router.pool.Worker objects) and of its KV
+        index (router.kv_index.KVIndex)."""
+        workers = list(workers)
+        self.kv_index.index, self.kv_index.roles = kv_index, {w.worker_id: w.role for w in workers}
         self.worker_healthy.clear()
         self.worker_routed.clear()
         for w in workers:
@@ -128,3 +133,35 @@ class WorkerEngineCollector:
             prompt_steps.add_metric([role, worker], count_value=stats.prompt_steps, sum_value=stats.prompt_step_seconds)
         yield steps
         yield prompt_steps
+
+
+class KVIndexCollector:
+    """The router's KV index (router/kv_index.py) per worker, read at scrape time: blocks held per tier,
+    whether the entry is exact, seconds since its last applied batch, batches known missing."""
+
+    def __init__(self) -> None:
+        self.index = None
+        self.roles: dict[str, str] = {}
+
+    def collect(self) -> Iterator[Metric]:
+        entries = self.index.entries() if self.index is not None else []
+        blocks = GaugeMetricFamily("pdserve_kv_index_blocks", "KV blocks the router's index holds for a worker, by tier",
+                                   labels=[*WORKER_LABELS, "tier"])
+        exact = GaugeMetricFamily("pdserve_kv_index_exact", "1 while the worker's index entry is exact (snapshot applied, no gap)",
+                                  labels=WORKER_LABELS)
+        lag = GaugeMetricFamily("pdserve_kv_index_lag_seconds", "Seconds since the worker's last KV event batch was applied",
+                                labels=WORKER_LABELS)
+        missing = GaugeMetricFamily("pdserve_kv_index_missing_batches", "KV event batches known lost (a gap) until a snapshot",
+                                    labels=WORKER_LABELS)
+        for e in entries:
+            labels = [self.roles.get(e.worker_id, ""), e.worker_id]
+            for tier in e.tiers or {"pool": set()}:
+                blocks.add_metric([*labels, tier], len(e.blocks(tier)))
+            exact.add_metric(labels, 1.0 if e.exact else 0.0)
+            missing.add_metric(labels, e.missing_batches)
+            if (seconds := self.index.lag_s(e)) is not None:
+                lag.add_metric(labels, seconds)
+        distinct = GaugeMetricFamily("pdserve_kv_index_distinct_blocks", "Distinct KV block hashes in the index (pool tier, all workers)")
+        distinct.add_metric([], self.index.distinct_blocks() if self.index is not None else 0)
+        yield from (blocks, exact, lag, missing, distinct)
+

@@ -6,9 +6,14 @@
 - prefix_aware: prefill goes where the prompt's leading blocks were sent recently (the router keeps
   an approximate, bounded LRU of block hashes per prefill worker), traded against load; decode goes
   to the worker with the most free KV blocks.
+- kv_aware: both pools by the router's exact KV index (router/kv_index.py, fed by the workers' KV
+  events): prefill goes to the worker with the lowest cost, the prompt tokens it must compute
+  (those past the leading blocks it holds) plus its load in prompt-sized units; decode goes to the
+  worker holding the most leading blocks of the prompt (the conversation's earlier turns: reused,
+  not moved) when it has room for the rest, else to the one with the most free KV blocks.
 Under least_loaded and prefix_aware the decode choice is free-KV aware.
 Policies are registered by name in common/plugins.py (which the config validates against) and
-built by `make_policy(name, block_size)`; block_size is the engine's (config `engine.block_size`).
+built by `make_policy(name, block_size, index)`; block_size is the engine's (config `engine.block_size`).
 """
 
 from __future__ import annotations
@@ -17,24 +22,18 @@ import itertools
 from collections import OrderedDict
 from typing import TYPE_CHECKING
 
+from common.block_hash import chain_hashes
 from common.plugins import ROUTING_POLICIES, resolve
+from router.kv_index import KVIndex
 
 if TYPE_CHECKING:  # router.pool builds its policy from here
     from router.pool import Worker
 
 
-def prefix_block_hashes(token_ids: list[int], block_size: int) -> list[int]:
-    """Chained hashes of the prompt's full blocks (the same chaining as the engine's prefix cache)."""
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
-        hashes.append(parent)
-    return hashes
-
-
 class RoundRobin:
-    def __init__(self, block_size: int) -> None:
+    def __init__(self, block_size: int, index: KVIndex | None = None) -> None:
         self.block_size = block_size
+        self.index = index or KVIndex()
         self._counters: dict[str, itertools.count] = {}
 
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
@@ -52,8 +51,8 @@ class LeastLoaded(RoundRobin):
 class PrefixAware(LeastLoaded):
     """Approximate prefix-cache-aware prefill routing (no round trip to the workers)."""
 
-    def __init__(self, block_size: int, capacity_blocks: int = 65536, load_weight: float = 4.0) -> None:
-        super().__init__(block_size)
+    def __init__(self, block_size: int, index: KVIndex | None = None, capacity_blocks: int = 65536, load_weight: float = 4.0) -> None:
+        super().__init__(block_size, index)
         self.capacity_blocks = capacity_blocks
         self.load_weight = load_weight
         self._seen: dict[str, OrderedDict[int, None]] = {}
@@ -61,7 +60,7 @@ class PrefixAware(LeastLoaded):
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
         if role == "decode":
             return most_free_kv(candidates)
-        hashes = prefix_block_hashes(prompt_ids, self.block_size)
+        hashes = chain_hashes(prompt_ids, self.block_size)
         best = max(candidates, key=lambda w: (self._overlap(w, hashes) - self.load_weight * w.load, -w.routed))
         self._remember(best, hashes)
         return best
@@ -86,6 +85,37 @@ class PrefixAware(LeastLoaded):
             seen.popitem(last=False)
 
 
+class KVAware(RoundRobin):
+    """Both pools by the exact KV index: cached overlap (tokens needing no compute and no transfer)
+    against load."""
+
+    def __init__(self, block_size: int, index: KVIndex | None = None, load_weight: float = 0.5) -> None:
+        super().__init__(block_size, index)
+        self.load_weight = load_weight
+        """Prompt-lengths of compute one unit of `Worker.load` is taken to stand for."""
+
+    def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
+        # the engine never counts a prompt's last token as cached (it must compute one to sample)
+        hashes = chain_hashes(prompt_ids, self.block_size, max_blocks=(len(prompt_ids) - 1) // self.block_size)
+        held = {w.worker_id: self.index.leading_blocks(w.worker_id, hashes) * self.block_size for w in candidates}
+        if role == "decode":
+            return self._decode(candidates, held, len(prompt_ids))
+        n = len(prompt_ids)
+        return min(candidates, key=lambda w: ((n - held[w.worker_id]) + self.load_weight * n * w.load, w.routed))
+
+    def _decode(self, candidates: list[Worker], held: dict[str, int], prompt_tokens: int) -> Worker:
+        """The worker holding the most of the prompt, if it has room for the rest; else the most free KV."""
+        def room(w: Worker) -> bool:
+            needed = -(-(prompt_tokens + 1 - held[w.worker_id]) // self.block_size)
+            return w.stats is None or not w.stats.total_kv_blocks or w.stats.free_kv_blocks >= needed
+
+        holders = [w for w in candidates if held[w.worker_id] and room(w)]
+        if not holders:
+            return most_free_kv(candidates)
+        best = max(held[w.worker_id] for w in holders)
+        return most_free_kv([w for w in holders if held[w.worker_id] == best])
+
+
 def most_free_kv(candidates: list[Worker]) -> Worker:
     def free(w: Worker) -> float:
         if w.stats is None or not w.stats.total_kv_blocks:
@@ -95,6 +125,6 @@ def most_free_kv(candidates: list[Worker]) -> Worker:
     return max(candidates, key=lambda w: (free(w), -w.routed))
 
 
-def make_policy(name: str, block_size: int) -> RoundRobin:
-    """The policy registered under `name` (common/plugins.py ROUTING_POLICIES)."""
-    return resolve(ROUTING_POLICIES, name, "routing policy")(block_size)
+def make_policy(name: str, block_size: int, index: KVIndex | None = None) -> RoundRobin:
+    """The policy registered under `name` (common/plugins.py ROUTING_POLICIES), reading `index` (the pool's)."""
+    return resolve(ROUTING_POLICIES, name, "routing policy")(block_size, index)

@@ -5,6 +5,9 @@ heartbeats (which carry `WorkerStats`); taken out of rotation when heartbeats st
 than the timeout or when a call to it fails with UNAVAILABLE (until its next heartbeat); removed
 on `Deregister`. A worker that switched role (common/role_switch.py) deregisters, then registers
 again with its new role: a fresh entry with a stub of that role's service. Static workers (from flags) have no heartbeat and are probed with `Stats`.
+The pool owns the KV index (router/kv_index.py): a registered worker's blocks are there from its
+registration's epoch on, and are dropped whenever it leaves rotation (deregistered, heartbeats
+missed, a failed call); its next heartbeat opens a new epoch, whose events start with a snapshot.
 Each entry owns one channel built by `Security.channel` (TLS and the cluster secret when set).
 """
 
@@ -21,6 +24,7 @@ from common.engine_config import EngineConfig
 from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from router.kv_index import KVIndex
 from router.policy import make_policy
 
 log = logging.getLogger(__name__)
@@ -60,8 +64,10 @@ class WorkerPool:
                  security: Security | None = None, block_size: int = EngineConfig.block_size):
         self.security = security or Security()
         """Builds the channels to workers (TLS, shared secret on every call)."""
-        self.policy = make_policy(policy, block_size)
-        """Picks workers; `block_size` (the engine's) shapes prefix_aware's prompt hashes."""
+        self.kv_index = KVIndex()
+        """Which registered worker holds which KV block (fed by `Registry.ReportKVEvents`)."""
+        self.policy = make_policy(policy, block_size, self.kv_index)
+        """Picks workers; `block_size` (the engine's) shapes the prompt's block hashes."""
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.close_grace_s = close_grace_s
         self.workers: dict[str, Worker] = {}
@@ -85,22 +91,28 @@ class WorkerPool:
         """Take a worker out for good. Calls already in flight to it keep their channel until they end
         (a draining worker finishes them), bounded by `close_grace_s`."""
         worker = self.workers.pop(worker_id, None)
+        self.kv_index.close(worker_id)
         if worker is not None:
             log.info("worker %s (%s) left", worker_id, worker.role)
             task = asyncio.get_running_loop().create_task(worker.channel.close(grace=self.close_grace_s))
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
-    def heartbeat(self, worker_id: str, stats: pb.WorkerStats | None) -> bool:
+    def heartbeat(self, worker_id: str, stats: pb.WorkerStats | None) -> int | None:
+        """Refresh a registered worker; returns its KV epoch (a new one when it was out of rotation and its
+        index entry dropped), or None for a worker the pool does not know."""
         worker = self.workers.get(worker_id)
         if worker is None:
-            return False
+            return None
         worker.last_seen = time.monotonic()
         worker.healthy = True
+        epoch = self.kv_index.epoch(worker_id)
+        if epoch is None:
+            epoch = self.kv_index.open(worker_id)
         if stats is not None and stats.ByteSize():
             worker.stats = stats
             worker.draining = stats.draining
-        return True
+        return epoch
 
     def expire(self) -> None:
         """Take workers whose heartbeats stopped out of rotation."""
@@ -109,10 +121,12 @@ class WorkerPool:
             if not worker.static and worker.healthy and now - worker.last_seen > self.heartbeat_timeout_s:
                 log.warning("worker %s missed heartbeats for %.1f s: out of rotation", worker.worker_id, now - worker.last_seen)
                 worker.healthy = False
+                self.kv_index.close(worker.worker_id)
 
     def mark_failed(self, worker: Worker) -> None:
         worker.healthy = False
         worker.last_seen = time.monotonic()
+        self.kv_index.close(worker.worker_id)
 
     def candidates(self, role: str, exclude: set[str] = frozenset()) -> list[Worker]:
         return [w for w in self.workers.values() if w.role == role and w.healthy and not w.draining and w.worker_id not in exclude]

@@ -53,6 +53,7 @@ class GrpcBackend:
                 if response.finish_reason:
                     rec.finish_reason = pb.FinishReason.Name(response.finish_reason)
                     rec.output_tokens = response.usage.completion_tokens or sum(rec.chunk_tokens)
+                    rec.cached_prompt_tokens = response.usage.cached_prompt_tokens
                     t = response.timings
                     rec.server_timings = {k: getattr(t, k) for k in (
                         "router_queue_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "decode_admission_s", "ttft_s", "e2e_s")}

@@ -22,6 +22,7 @@ class RequestRecord:
     chunk_times_s: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     prompt_tokens: int | None = None
+    cached_prompt_tokens: int | None = None  # the server's usage: prompt tokens served from a cache
     output_tokens: int = 0
     ok: bool = False
     error: str | None = None

@@ -6,9 +6,10 @@ from __future__ import annotations
 import asyncio
 import time
 
+from common.block_hash import chain_hashes
 from common.config import config_from_dict
 from common.serving import wait_idle
-from router.policy import make_policy, prefix_block_hashes
+from router.policy import make_policy
 from router.pool import Worker, WorkerPool
 
 
@@ -18,7 +19,7 @@ def worker(worker_id: str) -> Worker:
 
 def test_prefix_aware_hashes_whole_blocks_of_the_configured_size():
     prompt = list(range(40))
-    assert len(prefix_block_hashes(prompt, 16)) == 2 and len(prefix_block_hashes(prompt, 32)) == 1
+    assert len(chain_hashes(prompt, 16)) == 2 and len(chain_hashes(prompt, 32)) == 1
     policy = make_policy("prefix_aware", 32)
     a, b = worker("a"), worker("b")
     assert policy.choose("prefill", [a, b], prompt) is a

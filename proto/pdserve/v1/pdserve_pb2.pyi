@@ -36,6 +36,13 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_KV_TIMEOUT: _ClassVar[ErrorCode]
     ERROR_CODE_KV_UNKNOWN_TRANSFER: _ClassVar[ErrorCode]
     ERROR_CODE_KV_ABORTED: _ClassVar[ErrorCode]
+
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
+    KV_TIER_POOL: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+    KV_TIER_DISK: _ClassVar[KVTier]
 ROLE_UNSPECIFIED: Role
 ROLE_PREFILL: Role
 ROLE_DECODE: Role
@@ -57,6 +64,10 @@ ERROR_CODE_KV_CHECKSUM_MISMATCH: ErrorCode
 ERROR_CODE_KV_TIMEOUT: ErrorCode
 ERROR_CODE_KV_UNKNOWN_TRANSFER: ErrorCode
 ERROR_CODE_KV_ABORTED: ErrorCode
+KV_TIER_UNSPECIFIED: KVTier
+KV_TIER_POOL: KVTier
+KV_TIER_HOST: KVTier
+KV_TIER_DISK: KVTier
 
 class Error(_message.Message):
     __slots__ = ("code", "field", "message")
@@ -156,7 +167,7 @@ class TokenChunk(_message.Message):
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[Logprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
 
 class StageTimings(_message.Message):
-    __slots__ = ("router_queue_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "decode_admission_s", "ttft_s", "e2e_s", "first_token_s", "decode_s", "other_s", "local_prefill")
+    __slots__ = ("router_queue_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "decode_admission_s", "ttft_s", "e2e_s", "first_token_s", "decode_s", "other_s", "local_prefill", "kv_blocks_reused", "kv_blocks_moved")
     ROUTER_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_COMPUTE_S_FIELD_NUMBER: _ClassVar[int]
@@ -168,6 +179,8 @@ class StageTimings(_message.Message):
     DECODE_S_FIELD_NUMBER: _ClassVar[int]
     OTHER_S_FIELD_NUMBER: _ClassVar[int]
     LOCAL_PREFILL_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_MOVED_FIELD_NUMBER: _ClassVar[int]
     router_queue_s: float
     prefill_queue_s: float
     prefill_compute_s: float
@@ -179,7 +192,9 @@ class StageTimings(_message.Message):
     decode_s: float
     other_s: float
     local_prefill: bool
-    def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., other_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    kv_blocks_reused: int
+    kv_blocks_moved: int
+    def __init__(self, router_queue_s: _Optional[float] = ..., prefill_queue_s: _Optional[float] = ..., prefill_compute_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., decode_admission_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., first_token_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., other_s: _Optional[float] = ..., local_prefill: _Optional[bool] = ..., kv_blocks_reused: _Optional[int] = ..., kv_blocks_moved: _Optional[int] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "completion_tokens", "cached_prompt_tokens")
@@ -202,18 +217,20 @@ class KVEndpoint(_message.Message):
     def __init__(self, host: _Optional[str] = ..., port: _Optional[int] = ..., transport: _Optional[str] = ...) -> None: ...
 
 class KVDestination(_message.Message):
-    __slots__ = ("endpoint", "transfer_id", "model_fingerprint", "rank_endpoints", "num_kv_heads")
+    __slots__ = ("endpoint", "transfer_id", "model_fingerprint", "rank_endpoints", "num_kv_heads", "held_tokens")
     ENDPOINT_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     RANK_ENDPOINTS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
+    HELD_TOKENS_FIELD_NUMBER: _ClassVar[int]
     endpoint: KVEndpoint
     transfer_id: str
     model_fingerprint: str
     rank_endpoints: _containers.RepeatedCompositeFieldContainer[KVEndpoint]
     num_kv_heads: int
-    def __init__(self, endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rank_endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., num_kv_heads: _Optional[int] = ...) -> None: ...
+    held_tokens: int
+    def __init__(self, endpoint: _Optional[_Union[KVEndpoint, _Mapping]] = ..., transfer_id: _Optional[str] = ..., model_fingerprint: _Optional[str] = ..., rank_endpoints: _Optional[_Iterable[_Union[KVEndpoint, _Mapping]]] = ..., num_kv_heads: _Optional[int] = ..., held_tokens: _Optional[int] = ...) -> None: ...
 
 class FirstToken(_message.Message):
     __slots__ = ("token_id", "logprob", "finish_reason")
@@ -334,20 +351,24 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., local_prefill: _Optional[bool] = ..., kv_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
 
 class KVAdmission(_message.Message):
-    __slots__ = ("kv_destination", "num_prompt_tokens", "num_blocks", "free_blocks", "cached_prompt_tokens", "admission_wait_s")
+    __slots__ = ("kv_destination", "num_prompt_tokens", "num_blocks", "free_blocks", "cached_prompt_tokens", "admission_wait_s", "kv_blocks_reused", "kv_blocks_moved")
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     ADMISSION_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_REUSED_FIELD_NUMBER: _ClassVar[int]
+    KV_BLOCKS_MOVED_FIELD_NUMBER: _ClassVar[int]
     kv_destination: KVDestination
     num_prompt_tokens: int
     num_blocks: int
     free_blocks: int
     cached_prompt_tokens: int
     admission_wait_s: float
-    def __init__(self, kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admission_wait_s: _Optional[float] = ...) -> None: ...
+    kv_blocks_reused: int
+    kv_blocks_moved: int
+    def __init__(self, kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., admission_wait_s: _Optional[float] = ..., kv_blocks_reused: _Optional[int] = ..., kv_blocks_moved: _Optional[int] = ...) -> None: ...
 
 class DecodeFinished(_message.Message):
     __slots__ = ("finish_reason", "usage", "timings", "error", "index", "chunk")
@@ -378,11 +399,13 @@ class DecodeResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., admission: _Optional[_Union[KVAdmission, _Mapping]] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., finished: _Optional[_Union[DecodeFinished, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("include_block_hashes",)
+    INCLUDE_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    include_block_hashes: bool
+    def __init__(self, include_block_hashes: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "queued_requests", "queued_prompt_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_bytes_received", "kv_bytes_sent", "draining", "timestamp_s", "preemptions", "prompt_tokens", "generation_tokens", "steps", "step_seconds", "prompt_steps", "prompt_step_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "spec_steps")
+    __slots__ = ("worker_id", "role", "queued_requests", "queued_prompt_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_bytes_received", "kv_bytes_sent", "draining", "timestamp_s", "preemptions", "prompt_tokens", "generation_tokens", "steps", "step_seconds", "prompt_steps", "prompt_step_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "spec_steps", "cached_block_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -406,6 +429,7 @@ class WorkerStats(_message.Message):
     SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
     queued_requests: int
@@ -429,7 +453,8 @@ class WorkerStats(_message.Message):
     spec_proposed_tokens: int
     spec_accepted_tokens: int
     spec_steps: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prompt_steps: _Optional[int] = ..., prompt_step_seconds: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ...) -> None: ...
+    cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prompt_steps: _Optional[int] = ..., prompt_step_seconds: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "kv_endpoint", "model", "model_fingerprint", "labels")
@@ -463,12 +488,14 @@ class RegisterRequest(_message.Message):
     def __init__(self, worker: _Optional[_Union[WorkerInfo, _Mapping]] = ...) -> None: ...
 
 class RegisterResponse(_message.Message):
-    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s")
+    __slots__ = ("heartbeat_interval_s", "heartbeat_timeout_s", "epoch")
     HEARTBEAT_INTERVAL_S_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     heartbeat_interval_s: float
     heartbeat_timeout_s: float
-    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ...) -> None: ...
+    epoch: int
+    def __init__(self, heartbeat_interval_s: _Optional[float] = ..., heartbeat_timeout_s: _Optional[float] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("worker_id", "stats")
@@ -479,12 +506,14 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., stats: _Optional[_Union[WorkerStats, _Mapping]] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
-    __slots__ = ("known", "drain")
+    __slots__ = ("known", "drain", "epoch")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     DRAIN_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     known: bool
     drain: bool
-    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ...) -> None: ...
+    epoch: int
+    def __init__(self, known: _Optional[bool] = ..., drain: _Optional[bool] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class DeregisterRequest(_message.Message):
     __slots__ = ("worker_id",)
@@ -517,3 +546,75 @@ class SwitchRoleResponse(_message.Message):
     drain_s: float
     switch_s: float
     def __init__(self, worker_id: _Optional[str] = ..., previous_role: _Optional[_Union[Role, str]] = ..., role: _Optional[_Union[Role, str]] = ..., drain_s: _Optional[float] = ..., switch_s: _Optional[float] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("stored", "tier", "block_hashes")
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    stored: bool
+    tier: KVTier
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, stored: _Optional[bool] = ..., tier: _Optional[_Union[KVTier, str]] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVEventBatch(_message.Message):
+    __slots__ = ("worker_id", "epoch", "seq", "snapshot", "events")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    seq: int
+    snapshot: bool
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., seq: _Optional[int] = ..., snapshot: _Optional[bool] = ..., events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...
+
+class KVEventsReply(_message.Message):
+    __slots__ = ("snapshot_wanted",)
+    SNAPSHOT_WANTED_FIELD_NUMBER: _ClassVar[int]
+    snapshot_wanted: bool
+    def __init__(self, snapshot_wanted: _Optional[bool] = ...) -> None: ...
+
+class KVIndexRequest(_message.Message):
+    __slots__ = ("worker_id", "include_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    INCLUDE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    include_hashes: bool
+    def __init__(self, worker_id: _Optional[str] = ..., include_hashes: _Optional[bool] = ...) -> None: ...
+
+class KVIndexWorker(_message.Message):
+    __slots__ = ("worker_id", "role", "epoch", "exact", "blocks", "applied_seq", "missing_batches", "lag_s", "stored", "removed", "block_hashes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    EXACT_FIELD_NUMBER: _ClassVar[int]
+    BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    APPLIED_SEQ_FIELD_NUMBER: _ClassVar[int]
+    MISSING_BATCHES_FIELD_NUMBER: _ClassVar[int]
+    LAG_S_FIELD_NUMBER: _ClassVar[int]
+    STORED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: Role
+    epoch: int
+    exact: bool
+    blocks: int
+    applied_seq: int
+    missing_batches: int
+    lag_s: float
+    stored: int
+    removed: int
+    block_hashes: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., epoch: _Optional[int] = ..., exact: _Optional[bool] = ..., blocks: _Optional[int] = ..., applied_seq: _Optional[int] = ..., missing_batches: _Optional[int] = ..., lag_s: _Optional[float] = ..., stored: _Optional[int] = ..., removed: _Optional[int] = ..., block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class KVIndexReply(_message.Message):
+    __slots__ = ("workers", "distinct_blocks")
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    DISTINCT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    workers: _containers.RepeatedCompositeFieldContainer[KVIndexWorker]
+    distinct_blocks: int
+    def __init__(self, workers: _Optional[_Iterable[_Union[KVIndexWorker, _Mapping]]] = ..., distinct_blocks: _Optional[int] = ...) -> None: ...

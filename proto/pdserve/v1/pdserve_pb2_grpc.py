@@ -5,7 +5,7 @@ import warnings
 
 from proto.pdserve.v1 import pdserve_pb2 as proto_dot_pdserve_dot_v1_dot_pdserve__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.85.4'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
@@ -131,6 +131,16 @@ class RegistryStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.FromString,
                 _registered_method=True)
+        self.ReportKVEvents = channel.unary_unary(
+                '/pdserve.v1.Registry/ReportKVEvents',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVEventBatch.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVEventsReply.FromString,
+                _registered_method=True)
+        self.KVIndex = channel.unary_unary(
+                '/pdserve.v1.Registry/KVIndex',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVIndexRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVIndexReply.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -164,6 +174,22 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportKVEvents(self, request, context):
+        """A registered worker's prefix-cache changes (blocks stored and evicted), batched and numbered per
+        registration epoch. Errors: NOT_FOUND (worker_id not registered), FAILED_PRECONDITION (epoch is not
+        the worker's current registration: its events are stale). The router's index (router/kv_index.py).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def KVIndex(self, request, context):
+        """The router's KV index, per registered worker (pdserve status, tests).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -186,6 +212,16 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.SwitchRole,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.SerializeToString,
+            ),
+            'ReportKVEvents': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportKVEvents,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVEventBatch.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVEventsReply.SerializeToString,
+            ),
+            'KVIndex': grpc.unary_unary_rpc_method_handler(
+                    servicer.KVIndex,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVIndexRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVIndexReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -297,6 +333,60 @@ class Registry:
             '/pdserve.v1.Registry/SwitchRole',
             proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SwitchRoleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/ReportKVEvents',
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVEventBatch.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVEventsReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def KVIndex(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Registry/KVIndex',
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVIndexRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.KVIndexReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,421 @@
+"""Experiment: replay a real request trace (Mooncake format) against each routing / KV configuration.
+
+    pdserve bench trace [--trace FILE] [--requests N | --duration S] [--rate R | --load F] [--configs ...] [--out PATH]
+    (= python -m bench.experiments.trace_replay ...)
+
+The workload (bench.trace.workload): the trace's requests in a trace-time range (default: all of it), whole
+conversations taken in a seeded order until --requests are chosen (or rate x --duration once the rate is
+known), replayed in arrival order; --tokens-per-block tokens per 512-token trace block (prompt lengths
+scaled by the same factor, so one trace block is one 16-token engine block by default); answers scaled by
+--output-scale (default the same factor) and clamped to [2, --max-output]; EOS ignored, greedy. Each hash id
+names one seeded block of token ids drawn from the model's vocabulary without its special tokens, so equal
+ids give equal prefixes; a partial last block takes the first tokens of its id's block. Time: the window's
+gaps all divided by one speed-up so that the mean arrival rate is --rate, or --load x the rate the cluster
+sustains, measured first (calibration: --calibration-requests other conversations of the trace, with other
+token ids so that they warm no cache the trace uses, all sent at once to the first configuration's cluster).
+
+Each configuration (bench.trace.setups: a routing policy plus config overrides) gets a fresh cluster of the
+same shape (--prefill P + --decode D workers, each pinned to a core, same engine config, KV pool
+--kv-cache-mb per worker): start, warm-up requests (random ids), the workers' Stats, the replay through the
+router's gRPC Generate (one stamp per streamed chunk), Stats again once every request is done, a check that
+every KV block is free again, stop. Configurations whose parts do not exist yet are listed as
+"not available: <why>", never run as something else.
+
+Reported per configuration: prompt tokens computed (the workers' cumulative `prompt_tokens`: tokens run
+through the model, cache hits and received KV excluded), the reuse reached (1 - computed / prompt tokens)
+and its share of the trace's own reuse bound (bench.trace.workload.reuse_bound: an unbounded cache of full
+blocks) and of the bound with the pool's capacity (one LRU cache of one worker's pool, every request sent
+to it), KV bytes moved per request (received by any worker), the router's `cached_prompt_tokens`, TTFT
+p50/p99, ITL p99, TPOT and goodput (requests meeting TTFT <= --slo-ttft and TPOT <= --slo-tpot per second
+of the run). Writes --out (JSON; the raw per-request stamps next to it, *_requests.json) and a PNG plot;
+--docs rewrites the generated block of docs/trace_replay.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import shlex
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import history, serve
+from bench.cluster import BenchCluster, bench_config
+from bench.experiments import common
+from bench.servebench.workload import random_ids
+from bench.trace.setups import BY_NAME, Setup
+from bench.trace.workload import BlockTokens, Scale, TraceRequest, compress_time, load_trace, lru_reuse, reuse_bound, select_window
+
+NAME = "trace_replay"
+DEFAULT_TRACE = common.REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
+DEFAULT_OUT = common.RESULTS / f"{NAME}.json"
+COUNTERS = ("prompt_tokens", "kv_bytes_sent", "kv_bytes_received", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
+            "preemptions", "generation_tokens")
+
+
+@dataclass
+class Workload:
+    """The chosen requests, scaled: prompts (token ids) and answer lengths, in arrival order."""
+
+    requests: list[TraceRequest]
+    prompts: list[list[int]]
+    outputs: list[int]
+
+    def specs(self, arrivals: list[float]) -> list[serve.RequestSpec]:
+        return [serve.RequestSpec(i, len(p), o, a, prompt_ids=p) for i, (p, o, a) in enumerate(zip(self.prompts, self.outputs, arrivals))]
+
+
+def build_workload(requests: list[TraceRequest], scale: Scale, tokens: BlockTokens) -> Workload:
+    return Workload(requests, [tokens.prompt(r.hash_ids, scale.prompt_len(r)) for r in requests], [scale.output_len(r) for r in requests])
+
+
+def model_vocabulary(model: str) -> np.ndarray:
+    from transformers import AutoTokenizer
+
+    from bench.trace.workload import vocabulary
+    from engine.model_loader import resolve_model_path
+
+    return vocabulary(AutoTokenizer.from_pretrained(resolve_model_path(model)))
+
+
+# ---- one cluster -------------------------------------------------------------------------------
+def replay(address: str, specs: list[serve.RequestSpec], max_concurrency: int | None = None) -> tuple[list[dict], float]:
+    """Send `specs` at their arrival times through the router's gRPC Generate; (records as dicts, duration)."""
+    args = argparse.Namespace(temperature=0.0, ignore_eos=True, seed=0, skip_detokenize=True, request_timeout=600.0)
+
+    async def go() -> tuple[list, float]:
+        backend = serve.GrpcBackend(address, None, args)
+        try:
+            return await serve.run_load(backend, specs, max_concurrency, progress=False)
+        finally:
+            await backend.close()
+
+    records, duration = asyncio.run(go())
+    return [asdict(r) for r in records], duration
+
+
+def snapshot(cluster: BenchCluster) -> dict[str, dict[str, int]]:
+    """Every worker's counters (and KV pool) now."""
+    out = {}
+    for proc in [*cluster.prefill, *cluster.decode]:
+        s = cluster.worker_stats(proc)
+        out[proc.name] = {k: getattr(s, k) for k in (*COUNTERS, "total_kv_blocks", "free_kv_blocks", "running_requests")}
+    return out
+
+
+def settle(cluster: BenchCluster, timeout: float = 30.0) -> dict[str, dict[str, int]]:
+    """Stats once every worker is idle with all its KV blocks free, or at the timeout (then blocks are leaked)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        now = snapshot(cluster)
+        if all(s["free_kv_blocks"] == s["total_kv_blocks"] and not s["running_requests"] for s in now.values()) or time.monotonic() > deadline:
+            return now
+        time.sleep(0.3)
+
+
+def check_fits(cluster: BenchCluster, workload: Workload, args: argparse.Namespace) -> None:
+    """Every request of the window fits one worker's KV pool (else it could never be admitted)."""
+    blocks = min(s["total_kv_blocks"] for s in snapshot(cluster).values())
+    need = max(-(-(len(p) + o) // args.tokens_per_block) for p, o in zip(workload.prompts, workload.outputs))
+    if need > blocks:
+        raise SystemExit(f"--kv-cache-mb {args.kv_cache_mb}: a worker's KV pool holds {blocks} blocks, the window's longest "
+                         f"request needs {need}; give a bigger pool or fewer --tokens-per-block")
+
+
+def warmup(cluster: BenchCluster, count: int, seed: int) -> None:
+    rng = np.random.default_rng(seed)
+    specs = [serve.RequestSpec(i, 32, 4, 0.0, prompt_ids=random_ids(rng, 32, serve.DEFAULT_VOCAB)) for i in range(count)]
+    replay(cluster.grpc_address, specs)
+
+
+def calibrate(cluster: BenchCluster, workload: Workload) -> dict[str, Any]:
+    """The rate the cluster sustains on this trace's requests: all sent at once, completed / duration."""
+    records, duration = replay(cluster.grpc_address, workload.specs([0.0] * len(workload.prompts)))
+    completed = sum(1 for r in records if r["ok"])
+    return {"requests": len(records), "completed": completed, "duration_s": duration,
+            "sustained_rate": completed / duration if duration > 0 else 0.0}
+
+
+def run_setup(setup: Setup, base: dict[str, Any], args: argparse.Namespace, prepare) -> dict[str, Any]:
+    """One configuration on a fresh cluster. `prepare(cluster)` returns the specs to replay (it may calibrate first)."""
+    log_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-trace-{setup.name.replace('+', '-')}-"))
+    with BenchCluster(setup.config(base), args.prefill, args.decode, name=setup.name, log_dir=log_dir) as cluster:
+        warmup(cluster, args.warmup, args.seed + 1000)
+        specs = prepare(cluster)
+        before = settle(cluster)
+        loadavg_before = common.loadavg()
+        records, duration = replay(cluster.grpc_address, specs)
+        loadavg_after = common.loadavg()
+        after = settle(cluster)
+    leaked = {name: s["total_kv_blocks"] - s["free_kv_blocks"] for name, s in after.items()}
+    delta = {name: {k: after[name][k] - before[name][k] for k in COUNTERS} for name in after}
+    return {"status": "ran", "setup": setup.describe(), "duration_s": duration, "loadavg": [loadavg_before, loadavg_after],
+            "workers": delta, "kv_blocks_per_worker": {n: s["total_kv_blocks"] for n, s in after.items()},
+            "leaked_kv_blocks": leaked, "log_dir": str(log_dir), "requests": records}
+
+
+# ---- scoring -----------------------------------------------------------------------------------
+def score(result: dict[str, Any], bound: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
+    records, workers = result["requests"], result["workers"]
+    m = serve.compute_metrics(records, result["duration_s"], slos)
+    total = sum(r["prompt_len"] for r in records)
+    computed = sum(w["prompt_tokens"] for w in workers.values())
+    reuse = 1 - computed / total if total else 0.0
+    moved = sum(w["kv_bytes_received"] for w in workers.values())
+    sent = len(records)
+    return {
+        "sent": sent, "completed": m["completed"], "failed": m["failed"],
+        "prompt_tokens": total, "prompt_tokens_computed": computed, "reuse": reuse,
+        "of_reuse_bound": reuse / bound["unbounded"]["tokens"] if bound["unbounded"]["tokens"] else None,
+        "of_capacity_bound": reuse / bound["pool_capacity"]["tokens"] if bound["pool_capacity"]["tokens"] else None,
+        "router_cached_prompt_tokens": sum(r.get("cached_prompt_tokens") or 0 for r in records),
+        "prefix_cache_hit_tokens": sum(w["prefix_cache_hit_tokens"] for w in workers.values()),
+        "preemptions": sum(w["preemptions"] for w in workers.values()),
+        "kv_bytes_moved": moved, "kv_bytes_moved_per_request": moved / sent if sent else None,
+        "kv_bytes_sent_per_request": sum(w["kv_bytes_sent"] for w in workers.values()) / sent if sent else None,
+        "ttft_ms": {"p50": m["ttft_ms"]["median"], "p99": m["ttft_ms"]["p99"]},
+        "tpot_ms": {"p50": m["tpot_ms"]["median"], "p99": m["tpot_ms"]["p99"]},
+        "itl_ms": {"p50": m["itl_ms"]["median"], "p99": m["itl_ms"]["p99"]},
+        "goodput": m["goodput"], "good_requests": m["good_requests"], "request_throughput": m["request_throughput"],
+    }
+
+
+def compare(results: dict[str, dict], baseline: str = "round_robin") -> dict[str, dict]:
+    """Each configuration that ran against the baseline: TTFT p50/p99 speed-ups and the goodput ratio."""
+    base = results.get(baseline, {}).get("metrics")
+    if not base:
+        return {}
+
+    def ratio(a, b):
+        return a / b if a and b else None
+
+    return {name: {"ttft_p50_speedup": ratio(base["ttft_ms"]["p50"], r["metrics"]["ttft_ms"]["p50"]),
+                   "ttft_p99_speedup": ratio(base["ttft_ms"]["p99"], r["metrics"]["ttft_ms"]["p99"]),
+                   "goodput_ratio": ratio(r["metrics"]["goodput"], base["goodput"])}
+            for name, r in results.items() if r.get("metrics") and name != baseline}
+
+
+def acceptance(results: dict[str, dict], comparisons: dict[str, dict], name: str = "kv_aware+tier") -> dict[str, Any]:
+    """Issue #44's trace criteria for `name`: >= 0.9 of the reuse bound, TTFT p50 >= 2x and p99 better than
+    round_robin, goodput >= 1.3x round_robin."""
+    mine, vs = results.get(name, {}).get("metrics"), comparisons.get(name)
+    if not mine or not vs:
+        return {"evaluated": False, "why": f"{name} or round_robin did not run"}
+    checks = {"reuse_of_bound >= 0.9": (mine["of_reuse_bound"] or 0) >= 0.9, "ttft_p50 >= 2x": (vs["ttft_p50_speedup"] or 0) >= 2,
+              "ttft_p99 better": (vs["ttft_p99_speedup"] or 0) > 1, "goodput >= 1.3x": (vs["goodput_ratio"] or 0) >= 1.3}
+    return {"evaluated": True, "config": name, "checks": checks, "met": all(checks.values())}
+
+
+# ---- plot --------------------------------------------------------------------------------------
+def plot(results: dict[str, dict], bound: dict[str, Any], path: Path) -> str:
+    plt = common.pyplot()
+    ran = {n: r for n, r in results.items() if r.get("metrics")}
+    fig, axes = plt.subplots(2, 2, figsize=(13, 9))
+    cdf, tokens, moved, good = axes[0][0], axes[0][1], axes[1][0], axes[1][1]
+    for name, r in ran.items():
+        ttfts = sorted(s["ttft"] * 1000 for s in map(serve.token_stats, r["requests"]) if s)
+        cdf.plot(ttfts, np.arange(1, len(ttfts) + 1) / max(1, len(ttfts)), label=name)
+    cdf.set_xscale("log")
+    cdf.set_xlabel("TTFT (ms)")
+    cdf.set_ylabel("share of requests")
+    cdf.set_title("TTFT CDF", fontsize=10)
+    names, x = list(ran), np.arange(len(ran))
+    if ran:
+        total = next(iter(ran.values()))["metrics"]["prompt_tokens"]
+        tokens.bar(x, [ran[n]["metrics"]["prompt_tokens_computed"] for n in names], color="tab:blue")
+        tokens.axhline(total, color="gray", ls=":", label="prompt tokens sent")
+        tokens.axhline(total - bound["unbounded"]["reusable_tokens"], color="tab:green", ls="--", label="floor: unbounded cache")
+        tokens.axhline(total * (1 - bound["pool_capacity"]["tokens"]), color="tab:orange", ls="--", label="floor: one pool's capacity")
+        moved.bar(x, [ran[n]["metrics"]["kv_bytes_moved_per_request"] / 1e6 for n in names], color="tab:purple")
+        good.bar(x - 0.2, [ran[n]["metrics"]["goodput"] for n in names], 0.4, label="goodput (req/s)")
+        good.bar(x + 0.2, [ran[n]["metrics"]["request_throughput"] for n in names], 0.4, label="throughput (req/s)")
+    for ax, title in ((tokens, "prompt tokens computed"), (moved, "KV MB moved per request"), (good, "goodput under the SLOs")):
+        ax.set_xticks(x, names, rotation=15, fontsize=8)
+        ax.set_title(title, fontsize=10)
+    for ax in (cdf, tokens, good):
+        ax.legend(fontsize=8)
+    for ax in axes.flat:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ---- docs/trace_replay.md ----------------------------------------------------------------------
+DOC = common.REPO / "docs" / "trace_replay.md"
+BEGIN = "<!-- BEGIN trace_replay: generated by `pdserve bench trace ... --docs` -->"
+END = "<!-- END trace_replay -->"
+
+
+def markdown(report: dict[str, Any]) -> str:
+    from bench.experiments.report import fmt, machine_line
+
+    t, c = report["trace"], report["cluster"]
+    b = t["reuse_bound"]
+    lines = [BEGIN, "", machine_line(report), "", f"Command: `{report['command']}`", "",
+             f"Window: {t['window']['requests']} requests ({t['window']['conversations']} conversations) of `{t['path']}` from trace time "
+             f"{t['window']['start_s']:g} s to {t['window']['end_s'] or 'the end'}; {t['scale']['tokens_per_block']} tokens per 512-token "
+             f"block; {t['prompt_tokens']} prompt tokens, answers {t['output_tokens']} tokens. Arrivals at {t['time']['rate']:.3f} req/s "
+             f"(the trace's gaps / {t['time']['speedup']:.1f}; {t['time']['how']}).",
+             f"Reuse bound: {b['unbounded']['blocks']:.3f} of the trace blocks, {b['unbounded']['tokens']:.3f} of the prompt tokens "
+             f"(unbounded cache of full blocks); {b['pool_capacity']['tokens']:.3f} with one pool of {b['pool_capacity']['capacity_blocks']} "
+             f"blocks.",
+             f"Cluster: {c['prefill']} prefill + {c['decode']} decode workers, KV pool {c['kv_cache_mb']} MB per worker "
+             f"({c['kv_blocks_per_worker']} blocks of {c['block_size']} tokens). SLOs: TTFT <= {report['slos_ms']['ttft']:g} ms, "
+             f"TPOT <= {report['slos_ms']['tpot']:g} ms.", "",
+             "| config | prompt tokens computed | reuse (of bound) | KV MB moved / req | TTFT p50 / p99 (ms) | ITL p99 (ms) "
+             "| goodput (req/s) | good / sent | vs round_robin: TTFT p50, p99, goodput |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for name, r in report["results"].items():
+        m = r.get("metrics")
+        if not m:
+            lines.append(f"| {name} | {r['status']} | | | | | | | |")
+            continue
+        vs = report["vs_round_robin"].get(name)
+        vs_cell = (f"{fmt(vs['ttft_p50_speedup'], 2)}x, {fmt(vs['ttft_p99_speedup'], 2)}x, {fmt(vs['goodput_ratio'], 2)}x" if vs else "")
+        lines.append(f"| {name} | {m['prompt_tokens_computed']} | {m['reuse']:.3f} ({fmt(m['of_reuse_bound'], 2)}) "
+                     f"| {fmt(m['kv_bytes_moved_per_request'] / 1e6, 2)} | {fmt(m['ttft_ms']['p50'], 0)} / {fmt(m['ttft_ms']['p99'], 0)} "
+                     f"| {fmt(m['itl_ms']['p99'], 0)} | {fmt(m['goodput'], 3)} | {m['good_requests']}/{m['sent']} | {vs_cell} |")
+    a = report["acceptance"]
+    lines += ["", f"Acceptance ({a.get('config', 'kv_aware+tier')}): "
+              + (("met" if a["met"] else "NOT met") + " " + json.dumps(a["checks"]) if a["evaluated"] else f"not evaluated: {a['why']}"),
+              "", f"![trace replay](../{report['plot']})", END]
+    return "\n".join(lines)
+
+
+# ---- CLI ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench trace", description=__doc__.splitlines()[0])
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake-format JSONL trace")
+    p.add_argument("--configs", nargs="+", choices=list(BY_NAME), default=list(BY_NAME))
+    p.add_argument("--requests", type=int, default=None, help="requests to replay (whole conversations, so a few more)")
+    p.add_argument("--duration", type=float, default=180.0,
+                   help="without --requests: replay about this many seconds per configuration (requests = rate x duration)")
+    p.add_argument("--start-s", type=float, default=0.0, help="trace time (s) where the window starts")
+    p.add_argument("--end-s", type=float, default=None, help="trace time (s) where the window ends (default: the trace's end)")
+    p.add_argument("--rate", type=float, default=None, help="mean arrival rate (req/s); default: --load x the calibrated rate")
+    p.add_argument("--load", type=float, default=0.8, help="share of the sustained rate to offer when calibrating")
+    p.add_argument("--calibration-requests", type=int, default=16)
+    p.add_argument("--tokens-per-block", type=int, default=16, help="tokens per 512-token trace block")
+    p.add_argument("--output-scale", type=float, default=None, help="answer length factor (default: tokens-per-block / 512)")
+    p.add_argument("--max-output", type=int, default=64)
+    p.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    p.add_argument("--decode", type=int, default=2, help="decode workers")
+    p.add_argument("--kv-cache-mb", type=int, default=128, help="KV pool per worker (MB)")
+    p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
+    p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    p.add_argument("--slo-ttft", type=float, default=2000.0, help="TTFT SLO (ms)")
+    p.add_argument("--slo-tpot", type=float, default=150.0, help="TPOT SLO (ms)")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--seed", type=int, default=0, help="conversation order and token ids")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON result (the plot: same name, .png)")
+    p.add_argument("--docs", action="store_true", help="rewrite the generated block of docs/trace_replay.md")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    common.setup_logging()
+    info, started = common.machine(), time.time()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    trace = load_trace(args.trace)
+    scale = Scale(args.tokens_per_block, args.output_scale, max_output=args.max_output)
+    vocab = model_vocabulary("smollm2-135m")
+    base = bench_config(args.transport, engine={"kv_cache_memory_mb": args.kv_cache_mb, "max_num_batched_tokens": args.budget,
+                                                "block_size": args.tokens_per_block})
+    base["router"]["local_prefill_threshold"] = 0
+    plan: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else list(argv), "trace_requests": len(trace)}
+
+    def prepare(cluster: BenchCluster) -> list[serve.RequestSpec]:
+        """The first cluster fixes the window and the rate (calibrating when no --rate); later ones reuse them."""
+        if "specs" not in plan:
+            rate, how = args.rate, "--rate"
+            if rate is None:
+                sample = select_window(trace, args.start_s, args.end_s, args.calibration_requests, seed=args.seed + 1)
+                calibration = calibrate(cluster, build_workload(sample, scale, BlockTokens(vocab, args.tokens_per_block, args.seed + 1)))
+                rate = args.load * calibration["sustained_rate"]
+                how = f"{args.load:g} x the {calibration['sustained_rate']:.3f} req/s sustained in calibration"
+                plan["calibration"] = calibration
+            count = args.requests or max(2, round(rate * args.duration))
+            plan["window"] = select_window(trace, args.start_s, args.end_s, count, seed=args.seed)
+            arrivals, speedup = compress_time(plan["window"], rate)
+            plan["workload"] = build_workload(plan["window"], scale, BlockTokens(vocab, args.tokens_per_block, args.seed))
+            plan["specs"] = plan["workload"].specs(arrivals)
+            check_fits(cluster, plan["workload"], args)
+            plan["time"] = {"rate": rate, "speedup": speedup, "how": how, "arrival_span_s": arrivals[-1] if arrivals else 0.0}
+        return plan["specs"]
+
+    results: dict[str, dict] = {}
+    for name in args.configs:
+        setup = BY_NAME[name]
+        why = setup.unavailable(base)
+        if why:
+            results[name] = {"status": f"not available: {why}", "setup": setup.describe()}
+            common.log.warning("%s: not available: %s", name, why)
+            continue
+        common.log.info("%s: starting", name)
+        results[name] = run_setup(setup, base, args, prepare)
+    if "window" not in plan:
+        common.log.error("no configuration could run: %s", {n: r["status"] for n, r in results.items()})
+        return 1
+    report = summarize(results, plan, scale, base, args, info, started)
+    requests = {n: r.pop("requests") for n, r in results.items() if "requests" in r}
+    report["plot"] = plot({n: {**r, "requests": requests.get(n, [])} for n, r in results.items()}, report["trace"]["reuse_bound"],
+                          out.with_suffix(".png"))
+    report["plot"] = _relative(Path(report["plot"]))
+    history.record(out, report, NAME)
+    out.with_name(out.stem + "_requests.json").write_text(json.dumps(requests) + "\n")
+    if args.docs:
+        common.replace_doc_block(DOC, BEGIN, END, markdown(report))
+    for name, r in results.items():
+        m = r.get("metrics")
+        print(f"{name}: " + (r["status"] if not m else f"computed {m['prompt_tokens_computed']}/{m['prompt_tokens']} prompt tokens "
+              f"(reuse {m['reuse']:.3f}, {m['of_reuse_bound'] or 0:.2f} of the bound), KV {m['kv_bytes_moved_per_request'] / 1e6:.2f} MB/req, "
+              f"TTFT p50 {m['ttft_ms']['p50']:.0f} p99 {m['ttft_ms']['p99']:.0f} ms, goodput {m['goodput']:.3f} req/s"), file=sys.stderr)
+    return 0
+
+
+def summarize(results: dict[str, dict], plan: dict[str, Any], scale: Scale, base: dict[str, Any], args: argparse.Namespace,
+              info: dict[str, Any], started: float) -> dict[str, Any]:
+    window, workload = plan["window"], plan["workload"]
+    blocks = next((b for r in results.values() for b in (r.get("kv_blocks_per_worker") or {}).values()), None)
+    bound = {"unbounded": reuse_bound(window, scale),
+             "pool_capacity": {**lru_reuse(window, scale, blocks or 0), "capacity_blocks": blocks}}
+    slos = {"ttft": args.slo_ttft, "tpot": args.slo_tpot}
+    for r in results.values():
+        if "requests" in r:
+            r["metrics"] = score(r, bound, slos)
+    comparisons = compare(results)
+    return {
+        "experiment": NAME, "command": "pdserve bench trace " + shlex.join(plan["argv"]),
+        "machine": common.finish(info, started), "params": vars(args), "slos_ms": slos,
+        "trace": {"path": args.trace, "requests_in_file": plan["trace_requests"], "window": {
+            "start_s": args.start_s, "end_s": args.end_s, "requests": len(window), "seed": args.seed,
+            "conversations": len({r.hash_ids[:2] if len(r.hash_ids) > 1 else i for i, r in enumerate(window)}),
+            "trace_span_s": (window[-1].timestamp_ms - window[0].timestamp_ms) / 1000},
+            "scale": {**asdict(scale), "factor": scale.factor}, "time": plan["time"], "calibration": plan.get("calibration"),
+            "prompt_tokens": sum(map(len, workload.prompts)), "output_tokens": sum(workload.outputs), "reuse_bound": bound},
+        "cluster": {"prefill": args.prefill, "decode": args.decode, "kv_cache_mb": args.kv_cache_mb, "kv_blocks_per_worker": blocks,
+                    "block_size": args.tokens_per_block, "base_config": base},
+        "results": results, "vs_round_robin": comparisons, "acceptance": acceptance(results, comparisons),
+    }
+
+
+def _relative(path: Path) -> str:
+    try:
+        return str(path.resolve().relative_to(common.REPO))
+    except ValueError:
+        return str(path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
