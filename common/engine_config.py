@@ -57,6 +57,40 @@ class SpeculativeConfig:
         return cls(**value)
 
 
+KV_TIER_KINDS = ("off", "memory", "disk")
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """`engine.kv_tier`: where blocks evicted from the KV pool go instead of being lost (engine.kv_tier)."""
+
+    kind: str = "off"
+    """off; memory (host memory: pinned on a GPU worker); disk (files in `directory`)."""
+    budget_mb: int = 1024
+    """Bytes the tier may hold; past it, its least recently used blocks are dropped."""
+    directory: str | None = None
+    """disk: where block files go (None: a fresh temporary directory, removed when the engine closes)."""
+
+    def validate(self, prefix: str) -> None:
+        one_of(f"{prefix}.kind", self.kind, KV_TIER_KINDS)
+        positive_int(f"{prefix}.budget_mb", self.budget_mb)
+        if self.directory is not None and (not isinstance(self.directory, str) or not self.directory):
+            raise ConfigError(f"{prefix}.directory", f"must be a non-empty path, got {self.directory!r}")
+
+    @property
+    def enabled(self) -> bool:
+        return self.kind != "off"
+
+    @classmethod
+    def from_value(cls, value, prefix: str) -> KVTierConfig:
+        if isinstance(value, cls):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(prefix, f"must be a mapping, got {value!r}")
+        reject_unknown(value, cls, prefix + ".")
+        return cls(**value)
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = "smollm2-135m"
@@ -92,9 +126,11 @@ class EngineConfig:
     """Ranks (processes, one GPU each on CUDA) the model is split over; set per pool in a cluster config
     (`pools.<role>.tensor_parallel_size`), which `PdserveConfig.engine_for` copies here."""
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    kv_tier: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative, "engine.speculative"))
+        object.__setattr__(self, "kv_tier", KVTierConfig.from_value(self.kv_tier, "engine.kv_tier"))
         self.validate()
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.device))
@@ -115,6 +151,9 @@ class EngineConfig:
                      "tensor_parallel_size"):
             positive_int(f"{prefix}.{name}", getattr(self, name), allow_none=name in OPTIONAL)
         self.speculative.validate(f"{prefix}.speculative")
+        self.kv_tier.validate(f"{prefix}.kv_tier")
+        if self.kv_tier.enabled and self.tensor_parallel_size > 1:
+            raise ConfigError(f"{prefix}.kv_tier.kind", "a KV tier needs tensor_parallel_size 1 (each rank's pool holds only its heads)")
 
     @classmethod
     def from_dict(cls, data: dict, prefix: str = "engine") -> EngineConfig:

@@ -28,7 +28,7 @@ import torch
 from common.block_hash import BlockEvents
 from common.errors import EngineError, RankLost
 from common.sampling import SamplingParams
-from engine.engine import Engine, EngineStats, RequestOutput
+from engine.engine import Engine, EngineStats, RemoteReservation, RequestOutput
 from engine.kv_cache import KVCache, KVLayout
 from engine.parallel import TensorParallelGroup
 from engine.sampler import Sample

@@ -3,14 +3,18 @@
 Lifecycle of a block: free -> owned by one or more sequences (ref count) -> free again. A block that
 became full holds a hash of its tokens chained to its predecessor's hash; when its last owner frees
 it, it stays in the free list *with* its contents (evictable, least recently used first) so a later
-request with the same prefix can take it back instead of recomputing. Allocation answers "can't"
-with False; deciding whom to preempt is the scheduler's job.
+request with the same prefix can take it back instead of recomputing. With a second tier
+(engine.kv_tier) a cached block that is reused for something else is first saved there, and an
+admission continues its prefix match into the tier: those blocks are loaded into fresh blocks (when
+loading pays) instead of computed. Allocation answers "can't" with False; deciding whom to preempt
+is the scheduler's job.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from common.block_hash import ROOT, BlockEvents, next_hash
 from engine.sequence import Sequence
@@ -24,8 +28,19 @@ class PrefixCacheStats:
     hit_blocks: int = 0
 
 
+class SecondTier(Protocol):
+    """Where evicted cached blocks go (engine.kv_tier.KVTier): it copies KV, the BlockManager never does."""
+
+    def save(self, block_id: int, block_hash: int) -> None: ...
+
+    def loadable(self, hashes: list[int]) -> int: ...
+
+    def load(self, block_id: int, block_hash: int) -> bool: ...
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, tier: SecondTier | None = None):
+        self.tier = tier if enable_prefix_caching else None
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -72,7 +87,8 @@ class BlockManager:
         """Give a new sequence its cached prefix blocks plus fresh blocks for up to `max_new_tokens`
         more tokens. Returns how many tokens it must now compute, or None (nothing taken): no room."""
         cached = self.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
-        cached_tokens = len(cached) * self.block_size
+        in_tier = self._tier_hits(seq.token_ids, cached, max_blocks=(seq.num_tokens - 1) // self.block_size)
+        cached_tokens = (len(cached) + len(in_tier)) * self.block_size
         num_new = min(seq.num_tokens - cached_tokens, max_new_tokens)
         fresh_needed = self.blocks_for_tokens(cached_tokens + num_new) - len(cached)
         free_after_reuse = self.num_free_blocks - sum(1 for b in cached if self._ref_counts[b] == 0)
@@ -80,12 +96,16 @@ class BlockManager:
             return None
         for block in cached:
             self._take(block)
-        seq.block_ids = cached + [self._pop_free() for _ in range(fresh_needed)]
+        fresh = [self._pop_free() for _ in range(fresh_needed)]
+        hashes = [self._block_hash[b] for b in cached] + self._load_from_tier(fresh, in_tier)
+        seq.block_ids = cached + fresh
+        cached_tokens = len(hashes) * self.block_size
+        num_new = min(seq.num_tokens - cached_tokens, max_new_tokens, len(seq.block_ids) * self.block_size - cached_tokens)
         seq.num_cached_tokens = seq.num_computed_tokens = cached_tokens
-        self._seq_hashes[seq.request_id] = [self._block_hash[b] for b in cached]
+        self._seq_hashes[seq.request_id] = hashes
         self.prefix_stats.queries += 1
         self.prefix_stats.query_tokens += seq.num_tokens
-        self.prefix_stats.hit_blocks += len(cached)
+        self.prefix_stats.hit_blocks += len(hashes)
         self.prefix_stats.hit_tokens += cached_tokens
         return num_new
 
@@ -182,6 +202,32 @@ class BlockManager:
             return
         self._events.append((stored, h))
 
+    # ---- second tier -----------------------------------------------------------------------------
+    def _tier_hits(self, token_ids: list[int], cached: list[int], max_blocks: int) -> list[int]:
+        """Hashes of the blocks after the pool's hits that the tier will load (none without a tier)."""
+        if self.tier is None or len(cached) >= max_blocks:
+            return []
+        parent = self._block_hash[cached[-1]] if cached else None
+        hashes = []
+        for i in range(len(cached), max_blocks):
+            parent = self._hash(parent, token_ids[i * self.block_size : (i + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes[: self.tier.loadable(hashes)]
+
+    def _load_from_tier(self, fresh: list[int], in_tier: list[int]) -> list[int]:
+        """Load `in_tier` into the first fresh blocks and publish them; the hashes that loaded (a missing or
+        corrupt entry ends the run: that block and the rest are computed)."""
+        loaded = []
+        for block, h in zip(fresh, in_tier):
+            if not self.tier.load(block, h):
+                break
+            loaded.append(h)
+            if h not in self._cached:
+                self._cached[h] = block
+                self._block_hash[block] = h
+                self._record(True, h)
+        return loaded
+
     # ---- internals -----------------------------------------------------------------------------
     def _hash(self, parent: int | None, tokens: list[int]) -> int:
         return next_hash(ROOT if parent is None else parent, tokens)
@@ -197,5 +243,7 @@ class BlockManager:
         if h is not None and self._cached.get(h) == block:
             del self._cached[h]
             self._record(False, h)
+            if self.tier is not None:
+                self.tier.save(block, h)  # before anything writes into the block
         self._ref_counts[block] = 1
         return block

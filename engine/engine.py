@@ -35,6 +35,7 @@ from common.hardware import cpu_info
 from common.sampling import SamplingParams
 from engine.block_manager import BlockManager
 from engine.kv_sink import KVLayerSink, SinkRequest, layer_hook
+from engine.kv_tier import KVTier
 from engine.model_loader import LoadedModel
 from engine.parallel import RankLauncher, TensorParallelGroup
 from engine.runtime import build_runtime
@@ -133,8 +134,8 @@ class StepCounters:
     prompt_steps: int = 0
     prompt_step_seconds: float = 0.0
 
-    def record(self, scheduled: list[ScheduledSeq], num_sampled: int, seconds: float) -> None:
-        """One model step; call before the sequences' computed-token counts advance."""
+    def record(self, scheduled: list[ScheduledSeq], num_sampled: int, seconds: float) -> int:
+        """One model step (its prompt tokens returned); call before the sequences' computed-token counts advance."""
         self.steps += 1
         self.step_seconds += seconds
         self.generation_tokens += num_sampled
@@ -144,6 +145,7 @@ class StepCounters:
         if prompt_tokens:
             self.prompt_steps += 1
             self.prompt_step_seconds += seconds
+        return prompt_tokens
 
 
 class Engine:
@@ -166,7 +168,9 @@ class Engine:
         self.vocab_size = self.loaded.config.vocab_size
         self.runner = runtime.runner
         num_blocks = self.kv_cache.num_blocks
-        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.tier = KVTier(self.kv_cache, config.kv_tier) if config.kv_tier.enabled else None
+        """Where blocks evicted from the pool go (engine.kv_tier); None: they are lost."""
+        self.blocks = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching, self.tier)
         self.scheduler = Scheduler(
             SchedulerConfig(config.max_num_batched_tokens, config.max_num_seqs, config.enable_chunked_prefill, config.kv_policy),
             self.blocks,
@@ -254,7 +258,9 @@ class Engine:
             self.blocks.free(seq)
 
     def close(self) -> None:
-        """Stop the other ranks of a tensor-parallel engine (nothing to do with one rank)."""
+        """Stop the other ranks of a tensor-parallel engine, and empty the KV tier (its files go)."""
+        if self.tier is not None:
+            self.tier.close()
         if self.parallel is not None:
             self.parallel.close()
             self.parallel = None
@@ -288,7 +294,9 @@ class Engine:
         else:
             samples = [[sample] for sample in self.sampler.sample(logits, sampling)]
         seconds = time.perf_counter() - started
-        self.counters.record(ordered, sum(map(len, samples)), seconds)
+        prompt_tokens = self.counters.record(ordered, sum(map(len, samples)), seconds)
+        if self.tier is not None and prompt_tokens * 2 >= sum(item.num_tokens for item in ordered):  # a step mostly of prompt
+            self.tier.rates.observe_compute(seconds, prompt_tokens)
         if self.speculator:
             self.speculator.record_step(sum(item.num_tokens for item in items), len(proposals), seconds)
         for item in ordered:
