@@ -134,6 +134,8 @@ class RegistrationLoop:
                     log.warning("router %s refused us: %s (is security.shared_secret the same?)", self.router_address, exc.details())
                 elif exc.code() == grpc.StatusCode.ALREADY_EXISTS:  # our id is live at another address
                     log.warning("router %s refused us: %s", self.router_address, exc.details())
+                elif exc.code() in (grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND):  # KV events of a replaced registration
+                    log.info("router %s refused our KV events: %s; registering again", self.router_address, exc.details())
                 else:
                     log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
             next_beat = 0.0
