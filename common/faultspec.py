@@ -18,6 +18,7 @@ class FaultKind(StrEnum):
     TRUNCATE = "truncate"
     CORRUPT = "corrupt"
     CUT = "cut"
+    FORGE = "forge"
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,8 @@ class Fault:
         return cls(fault_kind, pattern, int(layer), int(delay or 0))
 
     def hits(self, layer: int) -> bool:
-        """A drop loses its layer and every later one; the other kinds hit exactly one layer."""
-        return layer >= self.layer if self.kind == FaultKind.DROP else layer == self.layer
+        """A drop or a forge hits its layer and every later one; the other kinds hit exactly one layer."""
+        return layer >= self.layer if self.kind in (FaultKind.DROP, FaultKind.FORGE) else layer == self.layer
 
 
 def parse_faults(spec: str) -> list[Fault]:

@@ -89,7 +89,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
             await self.gate.enter(context)
             try:
                 if request.local_prefill:
-                    generated = self.engine.generate(request_id, list(request.token_ids), params, priority=request.priority)
+                    generated = self.engine.generate(request_id, list(request.token_ids), params, priority=request.priority,
+                                                     reuse_cached=not request.recompute)
                     responses = self._stream(request_id, generated, time.monotonic(), context, pb.StageTimings(local_prefill=True))
                 else:
                     responses = self._remote(request_id, request, params, context, call_span)

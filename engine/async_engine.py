@@ -105,14 +105,15 @@ class AsyncEngine:
 
     # ---- requests ------------------------------------------------------------------------------
     async def generate(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0,
+        reuse_cached: bool = True,
     ) -> AsyncIterator[RequestOutput]:
         """Submit a request and stream its outputs (of its n sequences, each output naming its `index`,
         until every one has finished); raises the engine's validation error up front."""
         stream = self._open_stream(request_id, 1 if prefill_only else params.n)
         try:
             await self._call(lambda: self._engine.add_request(request_id, prompt_token_ids, params, prefill_only=prefill_only,
-                                                                   priority=priority))
+                                                                   priority=priority, reuse_cached=reuse_cached))
         except BaseException:
             self._streams.pop(request_id, None)
             raise

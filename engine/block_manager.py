@@ -86,8 +86,8 @@ class BlockManager:
     def admit(self, seq: Sequence, max_new_tokens: int) -> int | None:
         """Give a new sequence its cached prefix blocks plus fresh blocks for up to `max_new_tokens`
         more tokens. Returns how many tokens it must now compute, or None (nothing taken): no room."""
-        cached = self.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1)
-        in_tier = self._tier_hits(seq.token_ids, cached, max_blocks=(seq.num_tokens - 1) // self.block_size)
+        cached = self.match_prefix(seq.token_ids, max_tokens=seq.num_tokens - 1) if seq.reuse_cached else []
+        in_tier = [] if not seq.reuse_cached else self._tier_hits(seq.token_ids, cached, max_blocks=(seq.num_tokens - 1) // self.block_size)
         cached_tokens = (len(cached) + len(in_tier)) * self.block_size
         num_new = min(seq.num_tokens - cached_tokens, max_new_tokens)
         fresh_needed = self.blocks_for_tokens(cached_tokens + num_new) - len(cached)

@@ -188,10 +188,13 @@ class Engine:
 
     # ---- request intake ------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, *, prefill_only: bool = False, priority: int = 0,
+        reuse_cached: bool = True,
     ) -> None:
-        """`priority`: higher is admitted first and preempted last (engine.sequence.PRIORITY_RANGE)."""
+        """`priority`: higher is admitted first and preempted last (engine.sequence.PRIORITY_RANGE); `reuse_cached`
+        False computes the whole prompt, taking nothing from the prefix cache."""
         seq = self._new_sequence(request_id, prompt_token_ids, params, prefill_only, priority)
+        seq.reuse_cached = reuse_cached
         self._requests[request_id] = seq
         self.scheduler.add(seq)
 

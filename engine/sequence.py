@@ -71,6 +71,9 @@ class Sequence:
     """time.monotonic() when the first step that computed any of its tokens began (queue time ends there)."""
     priority: int = 0
     """Higher is admitted first and preempted last (engine.scheduler); FCFS within a priority."""
+    reuse_cached: bool = True
+    """False: the prompt is computed whole, nothing taken from the prefix cache or its tier (an independent
+    recompute: the router's canary)."""
 
     def __post_init__(self):
         self.group_id = self.group_id or self.request_id

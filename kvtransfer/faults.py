@@ -14,9 +14,12 @@ and handed to the constructors of the objects that call them: no hot path reads 
       truncate  send the layer's K and V cut to half their size (the receiver: shape error)
       corrupt   flip one byte of the layer's K (the receiver: checksum error)
       cut       close the connection before sending the layer (the receiver: connection error)
+      forge     zero the K and V of this layer and every later one *before* the checksum is taken:
+                wrong KV that every check of the wire accepts (only the router's canary,
+                router/shadow.py, can tell)
 
-  The checksum a sender announces is always the one of the untouched bytes, so the receiver
-  sees exactly what an in-flight fault would do.
+  Except for forge, the checksum a sender announces is always the one of the untouched bytes, so
+  the receiver sees exactly what an in-flight fault would do.
 
 * `FaultPoint` stalls (or just marks) a worker process at a named point of a request's life, so
   a test can SIGKILL / SIGSTOP it exactly there. Points: `prefill.before_transfer`,
@@ -114,7 +117,7 @@ class FaultInjector:
 
     def plan(self, transfer_id: str, layer: int) -> LayerPlan:
         """What to do to `layer` of `transfer_id`; records each fault that fires."""
-        hits = [f for f in self._matching(transfer_id) if f.hits(layer)]
+        hits = [f for f in self._matching(transfer_id) if f.hits(layer) and f.kind != FaultKind.FORGE]  # see `forge`
         if not hits:
             return CLEAN
         kinds = {f.kind for f in hits}
@@ -129,6 +132,15 @@ class FaultInjector:
             self.fired.extend((kind.value, transfer_id, layer) for kind in sorted(kinds))
         log.warning("fault injection: %s on transfer %s layer %d", "+".join(sorted(kinds)), transfer_id, layer)
         return plan
+
+    def forge(self, transfer_id: str, layer: int, parts: list[np.ndarray]) -> list[np.ndarray]:
+        """The layer's parts as the sender checksums them: zeroed when a forge fault hits it."""
+        hits = [f for f in self._matching(transfer_id) if f.kind == FaultKind.FORGE and f.hits(layer)]
+        if not hits:
+            return parts
+        with self._lock:
+            self.fired.append((FaultKind.FORGE.value, transfer_id, layer))
+        return [np.zeros_like(p) for p in parts]
 
     @staticmethod
     def damage(plan: LayerPlan, parts: Sequence[np.ndarray]) -> list[np.ndarray]:

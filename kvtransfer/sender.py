@@ -242,6 +242,8 @@ class OutgoingTransfer:
 
     async def _send_layer(self, channel: Channel, stream: int, item: _Layer) -> int:
         parts = codec.encode_parts(item.k, item.v, self.header.head_dim, self.header.wire_dtype)
+        if self.sender.faults:
+            parts = self.sender.faults.forge(self.transfer_id, item.layer, parts)
         size = self.header.bytes_per_part
         if len(parts[0]) != size or len(parts[1]) != size:
             raise ShapeMismatch(

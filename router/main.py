@@ -142,5 +142,6 @@ async def serve(config: PdserveConfig, args: argparse.Namespace, control: Server
         http.should_exit = True
         await http_task
         await planes.internal.stop(grace=1.0)
+        await router.orchestrator.shadow.close()
         await pool.close()
         stop_tracing()

@@ -34,6 +34,11 @@ class RouterMetrics:
                                 ["stage"], buckets=LATENCY_BUCKETS, registry=r)
         self.critical_path = CriticalPathWindow()
         self.kv_bytes = Counter("pdserve_kv_transfer_bytes", "KV bytes moved prefill -> decode", ["transport"], registry=r)
+        self.divergences = Counter("pdserve_disagg_divergence", "Sampled disaggregated requests whose output differed from their "
+                                   "colocated recompute (router/shadow.py)", registry=r)
+        self.shadow_checks = Counter("pdserve_shadow_checks", "Canary recomputes by outcome: agreed, diverged, not_run", ["outcome"], registry=r)
+        self.kv_blocks = Counter("pdserve_kv_prompt_blocks", "Prompt KV blocks of disaggregated requests: reused (the decode worker "
+                                 "held them) or moved (sent by the prefill worker)", ["outcome"], registry=r)
         self.queue_size = Gauge("pdserve_router_queue_requests", "Requests admitted and not finished", registry=r)
         self.queued_tokens = Gauge("pdserve_router_queue_tokens", "Prompt tokens of admitted, unfinished requests", registry=r)
         self.retries = Counter("pdserve_prefill_retries", "Prefill attempts retried on another worker", registry=r)

@@ -33,6 +33,7 @@ from router.pool import NoWorkerAvailable, Worker, WorkerPool
 from router.progress import Progress, SequenceProgress, replayable
 from router.relay import DecodeLost, DecodeRelay, DecodeStream
 from router.settings import RouterSettings
+from router.shadow import ShadowChecker
 from router.validation import Validated
 
 log = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class Orchestrator:
         self.relay = DecodeRelay(self.config.stall_timeout_s, metrics)
         self.local_prefill_threshold = self.config.local_prefill_threshold
         """Starts at the config's; the adaptive controller (deploy/adaptive.py) moves it at run time."""
+        self.shadow = ShadowChecker(self.config.shadow_check_fraction, settings.kv_dtype, pool, metrics)
+        """The canary: recomputes a sample of disaggregated requests colocated and compares."""
 
     async def run(self, request_id: str, request: Validated, skip_detokenize: bool, arrived: float,
                   deadline: float, trace: Context | None = None) -> AsyncIterator[pb.GenerateResponse]:
@@ -105,8 +108,12 @@ class Orchestrator:
             decoder = attempt.decoder
             decoder.in_flight += 1
             try:
+                ended_well = False
                 async for response in self.relay.relay(attempt.call, state, decoder):
+                    ended_well = response.finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH)
                     yield response
+                if ended_well:
+                    self.shadow.consider(state)
                 return
             except DecodeLost as exc:
                 if not self._migrate(decoder, state, budget, exc):

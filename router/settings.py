@@ -26,12 +26,14 @@ class RouterSettings:
     """The configured keys plus those in PDSERVE_API_KEYS (see `from_config`)."""
     rpc_timeout_s: float = 30.0
     """Longest wait for a decode worker's admission message (not for tokens)."""
+    kv_dtype: str = "float32"
+    """The workers' dtype (engine.dtype): how far two correct runs' logprobs may differ (router/shadow.py)."""
 
     @classmethod
     def from_config(cls, config: PdserveConfig, max_model_len: int) -> RouterSettings:
         env_keys = filter(None, os.environ.get("PDSERVE_API_KEYS", "").split(","))
         return cls(model_name=config.model_name, max_model_len=max_model_len, transport=config.kv_transfer.transport,
-                   config=config.router, api_keys=frozenset([*config.router.api_keys, *env_keys]))
+                   config=config.router, api_keys=frozenset([*config.router.api_keys, *env_keys]), kv_dtype=config.engine.dtype)
 
     def authorized(self, authorization: str | None) -> bool:
         """True when no keys are configured, or `authorization` is `Bearer <a configured key>`."""

@@ -1,4 +1,6 @@
-"""Router, prefill worker and decode worker as three real processes; greedy output equals HF."""
+"""Router, prefill worker and decode worker as three real processes; greedy output equals HF. The canary
+(router/shadow.py) recomputes every disaggregated greedy request of the module colocated and finds no
+divergence."""
 
 from __future__ import annotations
 
@@ -28,7 +30,8 @@ def generate(address: str, prompt_ids: list[int], max_tokens: int = MAX_NEW) -> 
 
 @pytest.fixture(scope="module", params=["ucx", "tcp"])
 def cluster(request, tmp_path_factory):
-    config = write_config(tmp_path_factory.mktemp(request.param) / "pdserve.yaml", transport=request.param)
+    config = write_config(tmp_path_factory.mktemp(request.param) / "pdserve.yaml", transport=request.param,
+                          router={"shadow_check_fraction": 1.0})
     with LocalCluster(config, num_prefill=1, num_decode=1) as c:
         yield c
 
@@ -72,6 +75,26 @@ def test_metrics_expose_kv_bytes_and_request_stages(cluster, demo_prompt_ids):
     for stage in ("prefill_compute", "kv_transfer", "decode_admission"):
         assert f'pdserve_request_stage_seconds_count{{stage="{stage}"}}' in text
     assert "pdserve_ttft_seconds_count" in text
+    cluster.assert_no_leaked_blocks()
+
+
+def test_canary_found_no_divergence(cluster):
+    """Every greedy request above was recomputed colocated (shadow_check_fraction 1) and agreed with its
+    disaggregated output. Runs after them: waits for the background checks to end first."""
+    import time
+
+    deadline = time.monotonic() + 120
+    idle = 0
+    while idle < 3:  # the decode worker idle at three polls in a row: no check is still running
+        assert time.monotonic() < deadline, "shadow checks still running after 120 s"
+        stats = cluster.worker_stats(cluster.decode[0])
+        idle = idle + 1 if stats.running_requests == stats.queued_requests == 0 else 0
+        time.sleep(0.5)
+    text = requests.get(cluster.http_url + "/metrics", timeout=10).text
+    values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("pdserve_")}
+    assert values.get('pdserve_shadow_checks_total{outcome="agreed"}', 0) >= 1
+    assert values.get('pdserve_shadow_checks_total{outcome="diverged"}', 0) == 0
+    assert values["pdserve_disagg_divergence_total"] == 0
     cluster.assert_no_leaked_blocks()
 
 
