@@ -34,7 +34,8 @@ the same. The configs:
   adaptive_c   the same policy and pools as adaptive_p0, started colocated (0 prefill + 2 decode): a
              decode worker becomes prefill only when the signals say a split would serve better
 
-Lifecycle of one config (`run_config`): write its YAML, start `pdserve serve` and wait for its ready
+Lifecycle of one config (`run_config`; the deployment: bench/experiments/ray_deployment.py): write its
+YAML, start `pdserve serve` and wait for its ready
 line; connect to its Ray as a driver and find the controller; send a few warm-up requests; replay the
 trace through the router's gRPC Generate (bench.servebench: one stamp per streamed chunk) while a
 thread polls the controller's events (`Controller.events_since`) and `CpuShare` counts the CPU time
@@ -53,25 +54,21 @@ over all of them, divided by the run's duration (first request sent to last fini
 from __future__ import annotations
 
 import argparse
-import asyncio
 import hashlib
 import json
 import math
-import os
 import re
 import sys
-import threading
-import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import yaml
 
 from bench import serve
-from bench.cluster import bench_config, start_process, stop_process
+from bench.cluster import bench_config
 from bench.experiments import common
+from bench.experiments.ray_deployment import CpuShare, Deployment, EventPoller, leaked_blocks, replay, settle
 from bench.servebench.metrics import meets_slos
 from bench.servebench.workload import DEFAULT_VOCAB, RequestSpec, random_ids
 
@@ -123,12 +120,6 @@ FIXED = ("colocated", "1p1d", "1p2d")
 ADAPTIVE = {"hold_intervals": 2, "action_cooldown_s": 20, "threshold_cooldown_s": 8, "local_prefill_step": 512,
             "local_prefill_max": 1024, "window_s": 6}
 """The adaptive run's controller settings: a decision every 2 s interval x 2 holds at the soonest."""
-
-WORKER_ENV = {"RAY_worker_niceness": "0"}
-"""Ray starts its worker processes at nice 15; on a shared machine any other process then takes their
-cores first (measured: prefill 2x slower per token while another user's compiler ran). At nice 0 the
-deployment competes as the plain processes of the other experiments do."""
-
 
 # ---- the trace ---------------------------------------------------------------------------------
 def build_trace(phases: tuple[Phase, ...], phase_s: float, scale: float, load: float,
@@ -182,154 +173,6 @@ def deploy_config(name: str, args: argparse.Namespace) -> dict[str, Any]:
                             "prefill": {"ttft_slo_s": args.slo_ttft / 1000}, "decode": {"itl_slo_s": args.slo_tpot_interactive / 1000},
                             "adaptive": {"mode": "adaptive" if shape["adaptive"] else "pools", **ADAPTIVE}}
     return config
-
-
-class Deployment:
-    """`pdserve serve` in its own process, and a Ray driver connection to its controller."""
-
-    def __init__(self, name: str, config: dict[str, Any], log_dir: Path):
-        self.name, self.config, self.log_dir = name, config, log_dir
-        self.proc = None
-        self.controller = None
-
-    def __enter__(self) -> Deployment:
-        from deploy import launcher  # Ray: loaded only when a deployment starts
-
-        self.log_dir.mkdir(parents=True, exist_ok=True)
-        path = self.log_dir / f"{self.name}.yaml"
-        path.write_text(yaml.safe_dump(self.config))
-        self.proc = start_process(f"serve-{self.name}", ["-m", "deploy.cli", "--log-level", "WARNING", "serve", "-c", str(path),
-                                                         "--grpc-port", "0", "--http-port", "0"], WORKER_ENV, timeout=300,
-                                  log_path=self.log_dir / f"{self.name}.log")
-        try:
-            self.controller = launcher.controller_at(self.proc.ready["ray_address"])
-        except BaseException:
-            stop_process(self.proc, timeout=60)
-            raise
-        return self
-
-    @property
-    def grpc_address(self) -> str:
-        return self.proc.address
-
-    def events_since(self, since: float) -> list[dict]:
-        import ray
-
-        return ray.get(self.controller.events_since.remote(since), timeout=30)
-
-    def status(self) -> dict:
-        import ray
-
-        return ray.get(self.controller.status.remote(), timeout=60)
-
-    def __exit__(self, *exc) -> None:
-        import ray
-
-        ray.shutdown()
-        stop_process(self.proc, timeout=90)
-
-
-class EventPoller:
-    """A thread that collects the controller's events every `interval_s` while the trace plays."""
-
-    def __init__(self, deployment: Deployment, interval_s: float = 5.0):
-        self.deployment, self.interval_s = deployment, interval_s
-        self.events: list[dict] = []
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True, name="event-poller")
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.poll()
-
-    def poll(self) -> None:
-        since = self.events[-1]["time"] if self.events else 0.0
-        try:
-            self.events.extend(self.deployment.events_since(since))
-        except Exception as exc:  # noqa: BLE001 - a missed poll is caught up by the next one
-            common.log.warning("events poll failed: %r", exc)
-
-    def __enter__(self) -> EventPoller:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(60)
-        self.poll()
-
-
-def replay(address: str, specs: list[RequestSpec], warmup: int) -> tuple[list[dict], float, float]:
-    """Warm-up requests, then the trace; returns (records as dicts, duration, unix time of the trace's t=0)."""
-    args = argparse.Namespace(temperature=0.0, ignore_eos=True, seed=0, skip_detokenize=True, request_timeout=600.0)
-
-    async def go() -> tuple[list, float, float]:
-        backend = serve.GrpcBackend(address, None, args)
-        try:
-            rng = np.random.default_rng(10_000)
-            warm = [RequestSpec(i, 32, 8, 0.0, prompt_ids=random_ids(rng, 32, DEFAULT_VOCAB)) for i in range(warmup)]
-            await serve.run_load(backend, warm, None, progress=False)
-            t0 = time.time()
-            records, duration = await serve.run_load(backend, specs, None, progress=False)
-            return records, duration, t0
-        finally:
-            await backend.close()
-
-    records, duration, t0 = asyncio.run(go())
-    return [asdict(r) for r in records], duration, t0
-
-
-class CpuShare:
-    """Where the machine's CPU time went while the trace played: the deployment's process tree (the serve
-    process, Ray's and every worker's), this process (the load generator) and everything else on the box
-    (/proc/stat's busy time minus both: other users' work, which a shared machine does not stop)."""
-
-    def __init__(self, root_pid: int):
-        self.root_pid = root_pid
-        self.start = self._sample()
-
-    def _sample(self) -> tuple[float, dict[int, float], float, float]:
-        import psutil
-
-        with open("/proc/stat") as f:
-            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
-        busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-        tree: dict[int, float] = {}
-        root = psutil.Process(self.root_pid)
-        for proc in [root, *root.children(recursive=True)]:
-            try:
-                t = proc.cpu_times()
-                tree[proc.pid] = t.user + t.system
-            except psutil.Error:
-                continue
-        own = psutil.Process().cpu_times()
-        return busy, tree, own.user + own.system, time.monotonic()
-
-    def stop(self) -> dict[str, float]:
-        """Cores' worth of CPU (CPU seconds per second) used by each, over the time since the start."""
-        busy0, tree0, own0, t0 = self.start
-        busy1, tree1, own1, t1 = self._sample()
-        span = max(1e-9, t1 - t0)
-        deployment = sum(cpu - tree0.get(pid, 0.0) for pid, cpu in tree1.items())
-        own = own1 - own0
-        return {"deployment_cores": round(deployment / span, 3), "load_generator_cores": round(own / span, 3),
-                "other_processes_cores": round(max(0.0, busy1 - busy0 - deployment - own) / span, 3)}
-
-
-def leaked_blocks(status: dict) -> dict[str, int]:
-    """KV blocks still held per worker once the trace is done (expected: none)."""
-    return {w["id"]: w["total_kv_blocks"] - w["free_kv_blocks"] for pool in status["pools"].values() for w in pool["workers"]
-            if w["total_kv_blocks"] - w["free_kv_blocks"]}
-
-
-def settle(deployment: Deployment, timeout: float = 30.0) -> dict:
-    """The controller's status once every worker's KV blocks are free again (or the timeout passed)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        status = deployment.status()
-        if not leaked_blocks(status) or time.monotonic() > deadline:
-            return status
-        time.sleep(1.0)
 
 
 def run_config(name: str, specs: list[RequestSpec], phase_of: list[str], kind_of: list[Kind], args: argparse.Namespace) -> dict[str, Any]:
