@@ -5,7 +5,7 @@
 those) and appends to `path.parent / "history.jsonl"` one JSON line: experiment, commit, date (UTC), machine
 (CPU model, core count and the widest of the features that decide the dtype, or the GPU), the command, the
 experiment's headline figures, each next to the baseline measured in the same run (`headline`), and the file
-(older runs' files: `git show COMMIT:bench/results/FILE`, the line's `git` field where the file is gone). A run written elsewhere (`--out`,
+(the last line naming a file is the run it holds; older runs' JSON is in git, a seeded line's `git` field says where). A run written elsewhere (`--out`,
 `--quick`) keeps its history next to its own file. docs/benchmarks.md's opening table quotes the headlines.
 """
 

@@ -56,11 +56,10 @@ def test_history_lines_are_complete_and_name_their_file():
     for line in lines:
         assert FIELDS <= set(line), line
         assert "error" not in line["headline"], line
-        if "file" in line:  # the run's result is the current one
+        if "file" in line:  # the file the run wrote; the last line naming a file is the run it holds now
             assert (RESULTS / line["file"]).exists(), line
-        else:  # replaced by a newer run: git keeps it
+        else:  # a run seeded from a file that is gone: git keeps it
             assert re.fullmatch(r"[0-9a-f]{7,}:bench/results/\S+", line["git"]), line
-    assert [line["date"] for line in lines] == sorted(line["date"] for line in lines)
 
 
 @pytest.mark.parametrize("path", sorted(p.name for p in RESULTS.glob("*.json")))
@@ -70,7 +69,7 @@ def test_every_current_result_is_in_the_history(path):
     if NOT_RUNS.fullmatch(Path(path).stem):
         return
     files = [json.loads(line).get("file") for line in (RESULTS / "history.jsonl").read_text().splitlines()]
-    assert files.count(path) == 1
+    assert path in files
 
 
 def _links(doc: Path) -> list[str]:
