@@ -82,7 +82,8 @@ def switchable(config: PdserveConfig) -> bool:
 
 
 def _stats_dict(message) -> dict[str, Any]:
-    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+    """The scalar fields (the controller's signals); repeated ones (cached_block_hashes: the router's KV index) stay out."""
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields if not f.is_repeated}
 
 
 class WorkerActor:

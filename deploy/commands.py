@@ -3,18 +3,21 @@
 Their flags, the config they load and the helpers that need no cluster live here, so that the CLI
 stays light (no Ray) for every other command. `run(args)` loads and validates the config of
 `serve` / `up` first (a bad one exits 2 before Ray is even imported), then hands over to
-deploy/launcher.py, which holds everything that talks to Ray.
+deploy/launcher.py, which holds everything that talks to Ray. `status` first asks the controller's
+loopback endpoint on this machine (deploy/status_endpoint.py: no Ray, well under a second).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
 import time
 
 from common.config import ConfigError, PdserveConfig, load_config
+from deploy.status_endpoint import fetch_status
 
 SHUTDOWN_GRACE_S = 30.0
 
@@ -58,6 +61,9 @@ def run(args: argparse.Namespace) -> int:
         config = load_or_report(args)
         if config is None:
             return 2
+    if args.command == "status" and (report := fetch_status(args.address)) is not None:
+        print(json.dumps(report, indent=2) if args.json else format_status(report))  # no Ray: deploy/status_endpoint.py
+        return 0
     from deploy import launcher  # Ray: loaded only for these commands, and only after the config passed
 
     return launcher.run(args, config)

@@ -4,18 +4,17 @@ router and both worker pools, and answers `pdserve status|scale|down`.
 Lifecycle:
   `start()`     router actor first (its own placement group), then each pool's `replicas` workers
                 (one placement group + one actor per worker); returns the router's endpoints once
-                every worker registered with the router. Then a monitor task runs every interval:
-                it reads each worker's Stats, replaces workers whose actor died (back to the pool's
-                target), and, with `autoscaler.enabled`, asks each pool's `PoolAutoscaler` or, with
-                `autoscaler.adaptive.mode: adaptive`, the one `AdaptivePolicy` (deploy/adaptive.py:
-                local-prefill threshold, role switches, pool sizes; each plan is an event with its inputs).
+                every worker registered with the router. Then the monitor (deploy/monitor.py) ticks
+                every interval: workers' Stats, lost workers replaced (back to the pool's target),
+                the autoscaler's or the adaptive policy's plans, which it asks this controller to carry out.
   `scale(role, n)`  up: new placement group + worker actor, wait until the router lists it as
                 healthy; down: pick the least loaded workers, drain them (Deregister from the
                 router, wait for requests in flight to finish), kill the actor, remove its group.
                 No request fails either way. One scale at a time per pool.
   `switch_role(worker, role)`  the worker actor switches role in place (drain, deregister,
                 re-register); its slot moves to the other pool. One pool operation at a time.
-  `status()`    router, pools and workers with health and load (the `pdserve status` JSON);
+  `status()`    router, pools and workers with health and load (the `pdserve status` JSON, deploy/monitor.py;
+                also over loopback HTTP for the CLI on this machine, deploy/status_endpoint.py);
                 `events_since(t)` the events after unix time t (a poller's read).
   `shutdown()`  router stops admitting and finishes its requests in flight, workers drain and stop,
                 router stops, every actor and placement group is removed.
@@ -27,29 +26,27 @@ import asyncio
 import collections
 import itertools
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import RayActorError
 
 from common.config import PdserveConfig
 from common.secrets import SECRET_ENV, HandedSecret, generate_secret, secret_source
 from deploy.actors import RouterActor, WorkerActor
-from deploy.adaptive import AdaptivePolicy, Snapshot
-from deploy.autoscaler import PoolAutoscaler, PoolSignals, histogram_quantile, histogram_window
+from deploy.adaptive import AdaptivePolicy
+from deploy.autoscaler import PoolAutoscaler
+from deploy.monitor import Monitor, refresh_stats
 from deploy.placement import Placement, dispose, wait_ref
-from deploy.slots import Pool, WorkerSlot, worker_status
+from deploy.slots import ROLES, Pool, WorkerSlot
+from deploy.status_endpoint import StatusEndpoint
 
 log = logging.getLogger(__name__)
 
 CONTROLLER_NAME = "controller"
-ROLES = ("prefill", "decode")
 START_TIMEOUT_S = 600.0
 REGISTER_TIMEOUT_S = 60.0
-HEALTH_INTERVAL_S = 2.0
 DRAIN_SETTLE_S = 0.5
 """After Deregister, a worker must stay idle this long before it stops (a request routed to it
 just before the router forgot it is on the wire for well under this)."""
@@ -80,17 +77,16 @@ class Controller:
         self.router_info: dict = {}
         adaptive = config.autoscaler.adaptive.mode == "adaptive"
         self.policy = AdaptivePolicy(config.autoscaler, config.pools, time.monotonic()) if adaptive else None
-        self._cores: float | None = None
         self.pools = {role: Pool(role, getattr(config.pools, role), self.policy.scalers[role] if self.policy else
                                  PoolAutoscaler(role, config.autoscaler, getattr(config.pools, role))) for role in ROLES}
         self.events: collections.deque[dict] = collections.deque(maxlen=50)
         self._ids = itertools.count()
         self._monitor_task: asyncio.Task | None = None
         self._router_task: asyncio.Task | None = None
-        self._latency_prev: dict[str, list] = {}
-        self.latency: dict[str, float | None] = {"ttft": None, "itl": None}
         self.stopping = False
         self.placement = Placement(options.detached)
+        self.monitor = Monitor(self)
+        self.status_endpoint: StatusEndpoint | None = None
         self._secret, self.authentication = deployment_secret(config)
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -106,7 +102,8 @@ class Controller:
             if router_error is not None:
                 raise router_error  # it explains the workers' errors too
             raise RuntimeError("could not start the pools: " + "; ".join(errors))
-        self._monitor_task = asyncio.create_task(self._monitor())
+        self._monitor_task = asyncio.create_task(self.monitor.run())
+        await self._open_status_endpoint()
         return self.endpoints()
 
     async def shutdown(self, grace_s: float = 30.0) -> dict:
@@ -131,7 +128,19 @@ class Controller:
                 log.warning("router stop failed: %r", exc)
             dispose(self.router, self.router_pg)
             self.router = self.router_pg = None
+        if self.status_endpoint is not None:
+            self.status_endpoint.close()
         return {"stopped_workers": len(slots), "requests_left_in_flight": left}
+
+    async def _open_status_endpoint(self) -> None:
+        """`pdserve status` on this machine asks here, without joining Ray (deploy/status_endpoint.py)."""
+        endpoint = StatusEndpoint(self.status, ray.get_runtime_context().gcs_address)
+        try:
+            await endpoint.start()
+        except OSError as exc:  # status still answers through Ray
+            log.warning("no status endpoint: %r", exc)
+            return
+        self.status_endpoint = endpoint
 
     async def ping(self) -> bool:
         return not self.stopping
@@ -248,7 +257,7 @@ class Controller:
     async def _pick_victims(self, pool: Pool, k: int) -> list[WorkerSlot]:
         """The k least loaded workers (newest first on ties): their drain is the shortest."""
         candidates = pool.active()
-        await self._refresh_stats(candidates)
+        await refresh_stats(candidates)
 
         def load(slot: WorkerSlot) -> tuple:
             s = slot.stats or {}
@@ -307,148 +316,9 @@ class Controller:
             await asyncio.sleep(0.1)
         raise TimeoutError(f"{worker_id} did not register with the router within {REGISTER_TIMEOUT_S:.0f} s")
 
-    # ---- monitoring and autoscaling ---------------------------------------------------------
-    async def _monitor(self) -> None:
-        scaler = self.config.autoscaler
-        interval = scaler.interval_s if scaler.enabled else min(HEALTH_INTERVAL_S, scaler.interval_s)
-        while not self.stopping:
-            await asyncio.sleep(interval)
-            try:
-                await self._tick()
-            except Exception:  # the monitor must survive a bad sample
-                log.exception("controller tick failed")
-
-    async def _tick(self) -> None:
-        for pool in self.pools.values():
-            dead = await self._refresh_stats(pool.ready())
-            for slot in dead:
-                log.warning("worker %s died; removing it", slot.worker_id)
-                pool.workers.pop(slot.worker_id, None)
-                dispose(slot.actor, slot.pg)
-                self.events.append({"time": time.time(), "pool": pool.role, "reason": f"{slot.worker_id} died"})
-        await self._sample_latency()
-        busy = any(pool.lock.locked() or len(pool.active()) < pool.target for pool in self.pools.values())
-        for pool in self.pools.values():
-            if pool.lock.locked() or self.stopping:
-                continue
-            if len(pool.active()) < pool.target:
-                asyncio.create_task(self._scale_to(pool, pool.target, "replace lost workers"))
-                continue
-            if self.config.autoscaler.enabled and self.policy is None:
-                decision = pool.autoscaler.decide(self._signals(pool))
-                if decision is not None and decision.replicas != len(pool.active()):
-                    asyncio.create_task(self._scale_to(pool, decision.replicas, f"autoscaler: {decision.reason}"))
-        if self.config.autoscaler.enabled and self.policy is not None and not self.stopping:
-            await self._adapt(busy)
-
-    async def _adapt(self, pool_busy: bool) -> None:
-        """One adaptive plan: threshold to the router now; a role switch or resize as a task (they take seconds)."""
-        summary = await wait_ref(self.router.summary.remote(self.config.autoscaler.adaptive.window_s), 5.0)
-        snapshot = Snapshot.from_router(time.monotonic(), self._signals(self.pools["prefill"]), self._signals(self.pools["decode"]),
-                                        summary, pool_busy, free_cpus=self._free_cpus())
-        plan = self.policy.decide(snapshot)
-        if not plan.acts:
-            return
-        reason = "; ".join(plan.reasons)
-        self.events.append({"time": time.time(), "pool": "controller", "from": snapshot.shape(), "to": plan.shape(snapshot),
-                            "reason": reason, "inputs": snapshot.inputs()})
-        log.warning("controller: %s -> %s (%s)", snapshot.shape(), plan.shape(snapshot), reason)
-        if plan.local_prefill_threshold is not None:
-            await wait_ref(self.router.set_local_prefill_threshold.remote(plan.local_prefill_threshold), 5.0)
-        if plan.switch_to is not None:
-            source = self.pools[ROLES[1 - ROLES.index(plan.switch_to)]]
-            victim = (await self._pick_victims(source, 1))[0]
-            _spawn(self.switch_role(victim.worker_id, plan.switch_to))
-        if plan.resize is not None:
-            role, n = plan.resize
-            _spawn(self._scale_to(self.pools[role], n, f"controller: {reason}"))
-
-    def _free_cpus(self) -> float | None:
-        """Cores that the router and the workers do not hold: on one node its cores (the launcher sizes Ray's logical
-        CPUs for every pool's max_replicas, so Ray's free CPUs would not tell an oversubscribed machine), on several
-        the cluster's CPUs. None: unknown (no Ray cluster)."""
-        if self._cores is None:
-            try:
-                nodes = [n for n in ray.nodes() if n.get("Alive")]
-            except Exception:  # noqa: BLE001 -- no cluster (unit tests): unknown, the policy does not limit on it
-                return None
-            self._cores = len(os.sched_getaffinity(0)) if len(nodes) == 1 else sum(n["Resources"].get("CPU", 0.0) for n in nodes)
-        held = self.config.router.num_cpus + sum(len(pool.active()) * cfg.num_cpus * cfg.tensor_parallel_size
-                                                 for pool, cfg in ((self.pools[r], getattr(self.config.pools, r)) for r in ROLES))
-        return self._cores - held
-
-    def _signals(self, pool: Pool) -> PoolSignals:
-        ready = pool.ready()
-        return PoolSignals.from_stats(len(pool.active()), [w.stats for w in ready if w.stats],
-                                      ttft_s=self.latency["ttft"], itl_s=self.latency["itl"])
-
-    async def _refresh_stats(self, slots: list[WorkerSlot]) -> list[WorkerSlot]:
-        """Fetch Stats of `slots` concurrently; returns those whose actor is dead."""
-        async def fetch(slot: WorkerSlot) -> bool:
-            try:
-                slot.stats = await wait_ref(slot.actor.stats.remote(), 5.0)
-            except RayActorError:
-                return slot.state == "ready"
-            except Exception:  # noqa: BLE001 - slow or failing: keep the last stats, mark unknown
-                slot.stats = None
-            return False
-
-        dead = await asyncio.gather(*(fetch(s) for s in slots if s.actor is not None))
-        return [s for s, d in zip([s for s in slots if s.actor is not None], dead) if d]
-
-    async def _sample_latency(self) -> None:
-        try:
-            current = await wait_ref(self.router.latency_buckets.remote(), 5.0)
-        except Exception:  # noqa: BLE001
-            return
-        q = self.config.autoscaler.latency_quantile
-        for name, buckets in current.items():
-            window = histogram_window(self._latency_prev.get(name), buckets)
-            self.latency[name] = histogram_quantile(q, window)
-        self._latency_prev = current
-
     # ---- status -----------------------------------------------------------------------------
     async def status(self) -> dict:
-        router: dict[str, Any] = {**self.endpoints(), "address": self.router_info.get("address"),
-                                  "node_ip": self.router_info.get("node_ip"), "health": "unhealthy"}
-        registered: dict[str, dict] = {}
-        try:
-            view, summary = await asyncio.gather(wait_ref(self.router.pool_view.remote(), 5), wait_ref(self.router.summary.remote(), 5))
-            registered = {w["worker_id"]: w for w in view}
-            router.update(summary)
-            router["health"] = "draining" if summary["draining"] else "healthy"
-            router["registered_workers"] = len(registered)
-        except Exception as exc:  # noqa: BLE001
-            router["error"] = repr(exc)
-        pools = {}
-        for role, pool in self.pools.items():
-            slots = list(pool.workers.values())
-            await self._refresh_stats([s for s in slots if s.state == "ready"])
-            pools[role] = {
-                "replicas": len(pool.active()),
-                "target": pool.target,
-                "min_replicas": pool.config.min_replicas,
-                "max_replicas": pool.config.max_replicas,
-                "workers": [worker_status(s, registered.get(s.worker_id)) for s in slots],
-            }
-        scaler = self.config.autoscaler
-        autoscaler = {
-            "enabled": scaler.enabled,
-            "interval_s": scaler.interval_s,
-            "latency": {"quantile": scaler.latency_quantile, "ttft_s": self.latency["ttft"], "itl_s": self.latency["itl"]},
-            "pressure": {role: pool.autoscaler.last_pressure for role, pool in self.pools.items()},
-            "mode": scaler.adaptive.mode,
-        }
-        if self.policy is not None:
-            autoscaler["adaptive"] = {"reasons": list(self.policy.last.reasons), "pressure": self.policy.last.pressure}
-        return {"router": router, "pools": pools, "autoscaler": autoscaler, "events": list(self.events)[-10:],
-                "security": self.authentication}
-
-
-def _spawn(operation) -> None:
-    """Run a pool operation the monitor does not wait for; its failure is logged (the next tick sees the pools as they are)."""
-    task = asyncio.create_task(operation)
-    task.add_done_callback(lambda t: t.cancelled() or t.exception() is None or log.warning("controller action failed: %r", t.exception()))
+        return await self.monitor.status()
 
 
 def _check_bounds(pool: Pool, n: int) -> None:

@@ -9,13 +9,15 @@ stops the group or is gone; killing the worker's placement group removes every r
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from common.engine_config import EngineConfig
-from engine.parallel import RankInfo
+
+if TYPE_CHECKING:  # engine.parallel loads torch; the router and controller actors (deploy.actors) must not
+    from engine.parallel import RankInfo
 
 
 @ray.remote(max_retries=0)

@@ -16,6 +16,8 @@ from typing import Any
 from common.config import PoolConfig
 from deploy.autoscaler import PoolAutoscaler
 
+ROLES = ("prefill", "decode")
+
 
 @dataclass
 class WorkerSlot:

@@ -1,4 +1,4 @@
-"""The controller's adaptive step (`Controller._adapt`) against a stand-in router actor: the plan's threshold
+"""The controller's adaptive step (`Monitor.adapt`, deploy/monitor.py) against a stand-in router actor: the plan's threshold
 reaches the router, and the decision is an event with its inputs. (The Ray path: tests/scenarios/test_ray_deploy.py.)"""
 
 from __future__ import annotations
@@ -60,9 +60,9 @@ def controller(monkeypatch) -> Controller:
 
 def test_a_held_decision_moves_the_routers_threshold_and_is_logged_with_its_inputs(controller):
     controller.router = RouterStandIn("does not pay", -0.4)
-    asyncio.run(controller._adapt(False))
+    asyncio.run(controller.monitor.adapt(False))
     assert controller.router.threshold == 0 and not controller.events, "held for one interval"
-    asyncio.run(controller._adapt(False))
+    asyncio.run(controller.monitor.adapt(False))
     assert controller.router.threshold == 64
     (event,) = controller.events
     assert event["pool"] == "controller" and event["from"] == "1P/1D, local prefill <= 0 tokens"

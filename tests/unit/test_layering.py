@@ -163,6 +163,7 @@ print(code, ",".join(heavy) or "-")
 
 ROUTER_WITHOUT_TORCH = """
 import asyncio, sys
+import deploy.actors, deploy.controller  # what the router's (and the controller's) Ray actor process imports
 import router.main
 from common.config import load_config
 from common.serving import ServerControl
@@ -185,7 +186,8 @@ print(",".join(loaded) or "-", info.get("grpc_port", 0) > 0)
 
 
 def test_the_router_process_does_not_load_torch():
-    """The router as `python -m router` runs it (config, tokenizer, both gRPC planes, HTTP), up to ready and stopped."""
+    """The router as `python -m router` and its Ray actor run it (config, tokenizer, both gRPC planes, HTTP), up to
+    ready and stopped, with the modules of the actor classes imported."""
     result = subprocess.run([sys.executable, "-c", ROUTER_WITHOUT_TORCH], cwd=REPO, capture_output=True, text=True, timeout=180,
                             check=False)
     assert result.returncode == 0, result.stderr
