@@ -7,12 +7,17 @@ import asyncio
 import http.client
 import json
 import stat
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import pytest
 
 from deploy import status_endpoint
 from deploy.status_endpoint import StatusEndpoint, endpoint_file, fetch_status
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Endpoints:
@@ -80,3 +85,31 @@ def test_a_dead_deployments_file_is_removed_and_two_live_ones_need_an_address(en
     dead.write_text(json.dumps({"ray_address": "127.0.0.1:3333", "port": 9, "token": "t"}))  # nothing listens on port 9
     assert fetch_status("127.0.0.1:3333") is None and not dead.exists()
     assert status_endpoint.run_dir().is_dir()
+
+
+STATUS_WITHOUT_RAY = """
+import asyncio, json, os, sys, tempfile, threading
+os.environ["PDSERVE_CACHE"] = tempfile.mkdtemp()
+from deploy.status_endpoint import StatusEndpoint
+
+loop = asyncio.new_event_loop()
+threading.Thread(target=loop.run_forever, daemon=True).start()
+async def report():
+    return {"router": {"health": "healthy"}, "pools": {}}
+endpoint = StatusEndpoint(report, "127.0.0.1:6379")
+asyncio.run_coroutine_threadsafe(endpoint.start(), loop).result(10)
+from deploy import cli
+code = cli.main(["status", "--json"])
+loop.call_soon_threadsafe(endpoint.close)
+heavy = sorted(m for m in ("torch", "ray", "transformers") if m in sys.modules)
+print(code, ",".join(heavy) or "-", file=sys.stderr)
+"""
+
+
+def test_pdserve_status_loads_neither_ray_nor_torch():
+    """`pdserve status` against a controller's endpoint, in a fresh process: the report, and no Ray, torch or transformers."""
+    result = subprocess.run([sys.executable, "-c", STATUS_WITHOUT_RAY], cwd=REPO, capture_output=True, text=True, timeout=120, check=False)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout) == {"router": {"health": "healthy"}, "pools": {}}
+    code, heavy = result.stderr.split()[-2:]
+    assert code == "0" and heavy == "-", result.stderr
