@@ -353,11 +353,12 @@ class BenchCluster(LocalCluster):
     in `log_dir` (default: a fresh temporary directory), started only once the router is SERVING."""
 
     def __init__(self, config: dict[str, Any], num_prefill: int = 1, num_decode: int = 1, pin: bool | None = None,
-                 cores: list[int] | None = None, log_dir: Path | None = None, name: str = "cluster", router: bool = True):
+                 cores: list[int] | None = None, log_dir: Path | None = None, name: str = "cluster", router: bool = True,
+                 register: bool = False):
         pin = default_pin() if pin is None else pin
         super().__init__(config, num_prefill, num_decode, cores=(cores or default_cores()) if pin else None,
                          log_dir=log_dir or Path(tempfile.mkdtemp(prefix=f"pdserve-bench-{name}-")), router=router,
-                         extra_args=["--log-level", "WARNING"])
+                         extra_args=["--log-level", "WARNING"], register=register)
         self.name = name
 
     def start(self) -> BenchCluster:

@@ -15,11 +15,11 @@ sustains, measured first (calibration: --calibration-requests other conversation
 token ids so that they warm no cache the trace uses, all sent at once to the first configuration's cluster).
 
 Each configuration (bench.trace.setups: a routing policy plus config overrides) gets a fresh cluster of the
-same shape (--prefill P + --decode D workers, each pinned to a core, same engine config, KV pool
---kv-cache-mb per worker): start, warm-up requests (random ids), the workers' Stats, the replay through the
-router's gRPC Generate (one stamp per streamed chunk), Stats again once every request is done, a check that
-every KV block is free again, stop. Configurations whose parts do not exist yet are listed as
-"not available: <why>", never run as something else.
+same shape (--prefill P + --decode D workers, each pinned to a core, registering with the router so that their
+KV events feed its index; same engine config, KV pool --kv-cache-mb per worker): start, warm-up requests
+(random ids), the workers' Stats, the replay through the router's gRPC Generate (one stamp per streamed chunk),
+Stats again once every request is done, a check that every KV block is free again, stop. Configurations whose
+parts do not exist yet are listed as "not available: <why>", never run as something else.
 
 Reported per configuration: prompt tokens computed (the workers' cumulative `prompt_tokens`: tokens run
 through the model, cache hits and received KV excluded), the reuse reached (1 - computed / prompt tokens)
@@ -56,6 +56,10 @@ from bench.trace.workload import BlockTokens, Scale, TraceRequest, compress_time
 NAME = "trace_replay"
 DEFAULT_TRACE = common.REPO.parent / "shared" / "traces" / "mooncake_conversation_trace.jsonl"
 DEFAULT_OUT = common.RESULTS / f"{NAME}.json"
+HEARTBEAT_TIMEOUT_S = 30.0
+"""router.heartbeat_timeout_s of every cluster: at the default 5 s, workers busy with seconds-long prefill steps on
+a shared 2-core machine missed heartbeats, left rotation (requests failed: no healthy prefill worker) and their
+KV index entries were dropped, which a benchmark of routing should not measure."""
 COUNTERS = ("prompt_tokens", "kv_bytes_sent", "kv_bytes_received", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
             "preemptions", "generation_tokens")
 
@@ -99,6 +103,28 @@ def replay(address: str, specs: list[serve.RequestSpec], max_concurrency: int | 
 
     records, duration = asyncio.run(go())
     return [asdict(r) for r in records], duration
+
+
+def kv_index(cluster: BenchCluster) -> dict[str, Any]:
+    """The router's KV index: per worker (role, blocks, exact), and the distinct blocks over all."""
+    import grpc
+
+    from proto.pdserve.v1 import pdserve_pb2 as pb
+    from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(cluster.router.ready["internal_address"]) as channel:
+        reply = pb_grpc.RegistryStub(channel).KVIndex(pb.KVIndexRequest(), timeout=10)
+    return {"workers": {w.worker_id: {"role": pb.Role.Name(w.role), "blocks": w.blocks, "exact": w.exact} for w in reply.workers},
+            "distinct_blocks": reply.distinct_blocks}
+
+
+def wait_registered(cluster: BenchCluster, timeout: float = 60.0) -> None:
+    """Until every worker started is in the router's index (registered; the router serves once one decode worker is)."""
+    deadline = time.monotonic() + timeout
+    while len(kv_index(cluster)["workers"]) < len(cluster.prefill) + len(cluster.decode):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every worker registered with the router within {timeout:g} s: {kv_index(cluster)}")
+        time.sleep(0.2)
 
 
 def snapshot(cluster: BenchCluster) -> dict[str, dict[str, int]]:
@@ -146,7 +172,8 @@ def calibrate(cluster: BenchCluster, workload: Workload) -> dict[str, Any]:
 def run_setup(setup: Setup, base: dict[str, Any], args: argparse.Namespace, prepare) -> dict[str, Any]:
     """One configuration on a fresh cluster. `prepare(cluster)` returns the specs to replay (it may calibrate first)."""
     log_dir = Path(tempfile.mkdtemp(prefix=f"pdserve-trace-{setup.name.replace('+', '-')}-"))
-    with BenchCluster(setup.config(base), args.prefill, args.decode, name=setup.name, log_dir=log_dir) as cluster:
+    with BenchCluster(setup.config(base), args.prefill, args.decode, name=setup.name, log_dir=log_dir, register=True) as cluster:
+        wait_registered(cluster)
         warmup(cluster, args.warmup, args.seed + 1000)
         specs = prepare(cluster)
         before = settle(cluster)
@@ -154,18 +181,19 @@ def run_setup(setup: Setup, base: dict[str, Any], args: argparse.Namespace, prep
         records, duration = replay(cluster.grpc_address, specs)
         loadavg_after = common.loadavg()
         after = settle(cluster)
+        index = kv_index(cluster)
     leaked = {name: s["total_kv_blocks"] - s["free_kv_blocks"] for name, s in after.items()}
     delta = {name: {k: after[name][k] - before[name][k] for k in COUNTERS} for name in after}
     return {"status": "ran", "setup": setup.describe(), "duration_s": duration, "loadavg": [loadavg_before, loadavg_after],
             "workers": delta, "kv_blocks_per_worker": {n: s["total_kv_blocks"] for n, s in after.items()},
-            "leaked_kv_blocks": leaked, "log_dir": str(log_dir), "requests": records}
+            "leaked_kv_blocks": leaked, "kv_index_at_end": index, "log_dir": str(log_dir), "requests": records}
 
 
 # ---- scoring -----------------------------------------------------------------------------------
 def score(result: dict[str, Any], bound: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
     records, workers = result["requests"], result["workers"]
     m = serve.compute_metrics(records, result["duration_s"], slos)
-    total = sum(r["prompt_len"] for r in records)
+    total = sum(r["prompt_len"] for r in records if r["ok"])  # a failed request's prompt may never have been computed
     computed = sum(w["prompt_tokens"] for w in workers.values())
     reuse = 1 - computed / total if total else 0.0
     moved = sum(w["kv_bytes_received"] for w in workers.values())
@@ -297,7 +325,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", default=str(DEFAULT_TRACE), help="a Mooncake-format JSONL trace")
     p.add_argument("--configs", nargs="+", choices=list(BY_NAME), default=list(BY_NAME))
     p.add_argument("--requests", type=int, default=None, help="requests to replay (whole conversations, so a few more)")
-    p.add_argument("--duration", type=float, default=180.0,
+    p.add_argument("--duration", type=float, default=150.0,
                    help="without --requests: replay about this many seconds per configuration (requests = rate x duration)")
     p.add_argument("--start-s", type=float, default=0.0, help="trace time (s) where the window starts")
     p.add_argument("--end-s", type=float, default=None, help="trace time (s) where the window ends (default: the trace's end)")
@@ -312,8 +340,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=128, help="KV pool per worker (MB)")
     p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
-    p.add_argument("--slo-ttft", type=float, default=2000.0, help="TTFT SLO (ms)")
-    p.add_argument("--slo-tpot", type=float, default=150.0, help="TPOT SLO (ms)")
+    p.add_argument("--slo-ttft", type=float, default=6000.0, help="TTFT SLO (ms)")
+    p.add_argument("--slo-tpot", type=float, default=250.0, help="TPOT SLO (ms)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="conversation order and token ids")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON result (the plot: same name, .png)")
@@ -332,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model_vocabulary("smollm2-135m")
     base = bench_config(args.transport, engine={"kv_cache_memory_mb": args.kv_cache_mb, "max_num_batched_tokens": args.budget,
                                                 "block_size": args.tokens_per_block})
-    base["router"]["local_prefill_threshold"] = 0
+    base["router"].update(local_prefill_threshold=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S)
     plan: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else list(argv), "trace_requests": len(trace)}
 
     def prepare(cluster: BenchCluster) -> list[serve.RequestSpec]:
