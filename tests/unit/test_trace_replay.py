@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from bench.cluster import bench_config
-from bench.experiments import trace_replay
+from bench.trace import report
 from bench.trace.setups import BY_NAME, Setup
 from bench.trace.workload import (
     BlockTokens,
@@ -142,19 +142,19 @@ def test_score_counts_computed_tokens_bytes_and_goodput_and_compares_with_round_
                "decode0": {"prompt_tokens": 0, "kv_bytes_received": 800, "kv_bytes_sent": 0, "prefix_cache_hit_tokens": 4, "preemptions": 1}}
     failed = {**record(2, 1.0, prompt_len=500), "ok": False, "error": "UNAVAILABLE", "chunk_times_s": []}
     base = {"requests": [record(0, 1.0), record(1, 3.0), failed], "workers": workers, "duration_s": 4.0}
-    m = trace_replay.score(base, bound, {"ttft": 2000, "tpot": 100})
+    m = report.score(base, bound, {"ttft": 2000, "tpot": 100})
     assert (m["sent"], m["completed"], m["failed"]) == (3, 2, 1)
     assert (m["prompt_tokens"], m["prompt_tokens_computed"], m["reuse"]) == (80, 60, 0.25)  # the failed prompt: not sent
     assert (m["of_reuse_bound"], m["of_capacity_bound"]) == (0.5, 1.0)
     assert (m["kv_bytes_moved_per_request"], m["kv_bytes_sent_per_request"], m["router_cached_prompt_tokens"]) == (800 / 3, 300, 24)
     assert (m["good_requests"], m["goodput"], m["preemptions"]) == (1, 0.25, 1)
-    fast = trace_replay.score({**base, "requests": [record(0, 0.5), record(1, 1.0), failed]}, bound, {"ttft": 2000, "tpot": 100})
+    fast = report.score({**base, "requests": [record(0, 0.5), record(1, 1.0), failed]}, bound, {"ttft": 2000, "tpot": 100})
     results = {"round_robin": {"metrics": m}, "kv_aware+tier": {"metrics": fast}, "kv_aware": {"status": "not available: x"}}
-    vs = trace_replay.compare(results)
+    vs = report.compare(results)
     assert set(vs) == {"kv_aware+tier"}
     assert vs["kv_aware+tier"]["ttft_p50_speedup"] == pytest.approx(2.0 / 0.75) and vs["kv_aware+tier"]["goodput_ratio"] == 2.0
-    verdict = trace_replay.acceptance(results, vs)
+    verdict = report.acceptance(results, vs)
     assert verdict["checks"] == {"reuse_of_bound >= 0.9": False, "ttft_p50 >= 2x": True, "ttft_p99 better": True, "goodput >= 1.3x": True}
     assert not verdict["met"]
-    assert not trace_replay.acceptance({"round_robin": {"metrics": m}}, {})["evaluated"]
+    assert not report.acceptance({"round_robin": {"metrics": m}}, {})["evaluated"]
     json.dumps(verdict)
