@@ -98,6 +98,9 @@ class RouterConfig:
     """Logical CPUs the router actor reserves under Ray (it tokenizes and relays; no model)."""
     resources: dict[str, float] = field(default_factory=dict)
     """Custom Ray resources of the router's bundle (e.g. one only the head node has, to pin it there)."""
+    kv_pull: bool = False
+    """A prefill worker may pull a prompt's prefix from the worker the KV index says holds more of it than it
+    does (when its measured rates say moving beats computing: kvtransfer/prefix.py)."""
     shadow_check_fraction: float = 0.01
     """Share of disaggregated greedy requests recomputed colocated on a decode worker and compared (the
     canary, router/shadow.py: a difference counts in pdserve_disagg_divergence_total); 0 disables."""
@@ -124,6 +127,8 @@ class RouterConfig:
         if not is_number(self.stall_timeout_s) or self.stall_timeout_s < 0:
             raise ConfigError(f"{prefix}.stall_timeout_s", f"must be a number >= 0 (0 = off), got {self.stall_timeout_s!r}")
         positive_float(f"{prefix}.num_cpus", self.num_cpus)
+        if not isinstance(self.kv_pull, bool):
+            raise ConfigError(f"{prefix}.kv_pull", f"must be true or false, got {self.kv_pull!r}")
         if not is_number(self.shadow_check_fraction) or not 0 <= self.shadow_check_fraction <= 1:
             raise ConfigError(f"{prefix}.shadow_check_fraction", f"must be a number in [0, 1] (0 = off), got {self.shadow_check_fraction!r}")
         custom_resources(f"{prefix}.resources", self.resources)

@@ -10,6 +10,7 @@ KV heads on its own receiver (decode_worker.ranks). Closing stops the receiver, 
 from __future__ import annotations
 
 import argparse
+import asyncio
 
 from common.config import PdserveConfig
 from common.security import Security
@@ -19,9 +20,11 @@ from decode_worker.ranks import AGENT, FollowerReceivers
 from decode_worker.service import DecodeService
 from engine import Engine
 from engine.async_engine import AsyncEngine
-from kvtransfer import KVReceiver, fingerprint
+from kvtransfer import FaultInjector, KVReceiver, KVSender, fingerprint
 from kvtransfer.faults import FaultPoint
 from kvtransfer.pieces import RankSettings
+from kvtransfer.prefix import PrefixSource
+from kvtransfer.sender import make_sender
 from kvtransfer.sharding import head_range
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 
@@ -45,11 +48,21 @@ async def decode_parts(config: PdserveConfig, engine: AsyncEngine, kv_port: int,
     receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, port=kv_port, secret=security.kv_secret, heads=heads)
     await receiver.start()
     followers = FollowerReceivers(engine.ranks)
+    senders: list[KVSender] = []  # made at the first prefix another worker pulls from here
+
+    def sender() -> KVSender:
+        if not senders:
+            senders.append(make_sender(kv, security.kv_secret, FaultInjector.configured(kv.faults)))
+        return senders[0]
+
     service = DecodeService(engine, receiver, model_fingerprint, worker_id, kv_timeout_s=kv.timeout_s, fault_point=fault_point,
-                            followers=followers, follower_endpoints=await followers.endpoints())
+                            followers=followers, follower_endpoints=await followers.endpoints(),
+                            source=PrefixSource(engine, sender, model_fingerprint, fault_point))
 
     async def close() -> None:
         await receiver.close()
+        for made in senders:
+            await asyncio.to_thread(made.close)
         engine.stop()
 
     return WorkerParts(service, "pdserve.v1.DecodeWorker", pb_grpc.add_DecodeWorkerServicer_to_server, close,

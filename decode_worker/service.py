@@ -46,6 +46,7 @@ from engine.messages import chunk_from_output, prefill_timings, worker_stats
 from engine.sampler import Sample
 from kvtransfer import KVEndpoint, KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
+from kvtransfer.prefix import PrefixSource
 from proto.convert import finish_reason_to_proto, sampling_or_abort
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -65,6 +66,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         fault_point: FaultPoint | None = None,
         followers: FollowerReceivers | None = None,
         follower_endpoints: list[KVEndpoint] | None = None,
+        source: PrefixSource | None = None,
     ):
         """`followers`: a tensor-parallel worker's other ranks and their receivers' endpoints (rank order).
         `fault_point`: test hook (stall or mark at a named point), None in production."""
@@ -80,6 +82,8 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
         self.admission_timeout_s = admission_timeout_s
         self.fault_point = fault_point
         self.gate = CallGate("decode")
+        self.source = source
+        """Answers `SendPrefix`: a prefill worker pulls a prefix this worker holds (kvtransfer.prefix)."""
 
     async def Decode(self, request: pb.DecodeRequest, context: grpc.aio.ServicerContext) -> AsyncIterator[pb.DecodeResponse]:
         request_id = request.request_id or uuid.uuid4().hex
@@ -237,6 +241,11 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
                     reached(self.fault_point, "decode.after_tokens", request_id, usage.completion_tokens)
         except InvalidRequestError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def SendPrefix(self, request: pb.SendPrefixRequest, context: grpc.aio.ServicerContext) -> pb.SendPrefixResponse:
+        if self.source is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker sends no prefixes")
+        return await self.source.send(request, context)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining, request,

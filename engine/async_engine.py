@@ -172,6 +172,14 @@ class AsyncEngine:
         """Every layer's K and V of a held prefill-only request's prompt (copies)."""
         return await self._call(lambda: self._engine.prompt_kv(request_id))
 
+    async def hold_prefix(self, request_id: str, token_ids: list[int]) -> bool:
+        """Pin a cached prefix for reading (`prompt_kv`) until `release`; False: not all of it is cached."""
+        return await self._call(lambda: self._engine.hold_prefix(request_id, token_ids))
+
+    async def cache_received(self, request_id: str) -> None:
+        """A pulled prefix (reserved with `reserve_remote_kv`) landed: publish it in the prefix cache."""
+        await self._call(lambda: self._engine.cache_received(request_id))
+
     async def release(self, request_id: str) -> None:
         """Free a prefill-only request's blocks (its KV was sent, or the call failed). Aborts it first:
         a call cancelled while its `generate` waited for the engine thread leaves a request to run."""

@@ -120,6 +120,18 @@ class BlockManager:
         self._seq_hashes.setdefault(seq.request_id, [])
         return True
 
+    def pin(self, seq: Sequence) -> bool:
+        """Give `seq` references to the cached blocks holding its whole token list (a prefix another worker
+        pulls: they must not be evicted while they are read). False (nothing taken): not all cached."""
+        blocks = self.match_prefix(seq.token_ids, seq.num_tokens)
+        if len(blocks) * self.block_size != seq.num_tokens:
+            return False
+        for block in blocks:
+            self._take(block)
+        seq.block_ids = blocks
+        self._seq_hashes[seq.request_id] = [self._block_hash[b] for b in blocks]
+        return True
+
     def share(self, parent: Sequence, child: Sequence, num_blocks: int) -> None:
         """A forked sequence takes references to the parent's first `num_blocks` (full, computed) blocks."""
         for block in parent.block_ids[:num_blocks]:

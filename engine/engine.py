@@ -249,6 +249,29 @@ class Engine:
             RequestOutput(request_id, index=i, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=prompt) for i in sorted(indexes)
         )
 
+    def hold_prefix(self, request_id: str, token_ids: list[int]) -> bool:
+        """Pin the cached blocks of a prefix (whole blocks) another worker pulls, until `release`; False:
+        the prefix cache no longer holds all of it."""
+        if request_id in self._requests:
+            raise InvalidRequestError("request_id", f"{request_id!r} is already in the engine")
+        seq = Sequence(request_id, list(token_ids), SamplingParams(max_tokens=1), prefill_only=True)
+        if not token_ids or len(token_ids) % self.blocks.block_size or not self.blocks.pin(seq):
+            return False
+        seq.num_computed_tokens = seq.num_tokens
+        self._requests[request_id] = seq
+        return True
+
+    def cache_received(self, request_id: str) -> None:
+        """A prefix reserved with `add_remote_request` and pulled from another worker has landed: its blocks
+        join the prefix cache and the reservation ends (the blocks stay cached, free to evict)."""
+        seq = self._requests.pop(request_id, None)
+        if seq is None:
+            return
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        self.blocks.commit_computed(seq)
+        self.scheduler.remove(seq)
+        self.blocks.free(seq)
+
     def prompt_kv(self, request_id: str) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Copies of every layer's K and V of a held prefill-only request's prompt, for sending."""
         seq = self._requests[request_id]

@@ -8,7 +8,7 @@ and a CRC-32C of those bytes):
            the pool at once, before anything can overwrite it, and stored under its hash;
   lookup   an admission whose prompt continues past the pool's own prefix hits asks how many of the
            next blocks the tier holds, and loads them only while loading is cheaper than computing
-           them, judged from rates measured in this process (`TierRates`);
+           them, judged from rates measured in this process (`LoadRates`);
   load     the entry is read and its checksum verified, then copied into a fresh pool block (which
            then joins the prefix cache); a corrupt entry is dropped and reported as a miss, so the
            prompt computes that block and everything after it: a corrupted tier never becomes a token;
@@ -88,11 +88,12 @@ class DiskStore:
 
 
 @dataclass
-class TierRates:
-    """What loading and computing a block cost here, measured (exponential moving averages)."""
+class LoadRates:
+    """What bringing a block in (from the tier, or pulled from another worker) and computing it cost here,
+    measured (exponential moving averages)."""
 
     load_s_per_block: float | None = None
-    """Seconds to read, verify and copy one block back into the pool."""
+    """Seconds to bring one block into the pool (read, verify, copy)."""
     compute_s_per_token: float | None = None
     """Seconds a prompt token costs the engine (its prompt steps' time over their prompt tokens)."""
     smoothing: float = 0.2
@@ -128,7 +129,7 @@ class KVTier:
 
     cache: KVCache
     config: KVTierConfig
-    rates: TierRates = field(default_factory=TierRates)
+    rates: LoadRates = field(default_factory=LoadRates)
     stats: TierStats = field(default_factory=TierStats)
 
     def __post_init__(self) -> None:

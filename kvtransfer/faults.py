@@ -24,7 +24,8 @@ and handed to the constructors of the objects that call them: no hot path reads 
 * `FaultPoint` stalls (or just marks) a worker process at a named point of a request's life, so
   a test can SIGKILL / SIGSTOP it exactly there. Points: `prefill.before_transfer`,
   `prefill.after_layer` (N = layer), `prefill.after_transfer`, `decode.before_transfer`,
-  `decode.after_transfer`, `decode.after_tokens` (N = tokens streamed). When a request reaches
+  `decode.after_transfer`, `decode.after_tokens` (N = tokens streamed), `source.before_send` (a worker
+  about to send a prefix another worker pulls: kvtransfer/prefix.py). When a request reaches
   its point the process logs `test hook: <action> at <point> ...` and, for `stall`, blocks the
   calling thread for an hour. It fires once per process.
 
@@ -175,6 +176,7 @@ class FaultPoint:
         "decode.before_transfer",
         "decode.after_transfer",
         "decode.after_tokens",
+        "source.before_send",
     )
 
     @classmethod

@@ -35,6 +35,7 @@ from typing import Any, Self
 
 import torch
 
+from common.config import KVTransferConfig
 from engine.kv_cache import KVCache
 from kvtransfer import checksum, codec
 from kvtransfer.connection import Connection
@@ -398,3 +399,10 @@ class KVSender:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def make_sender(kv: KVTransferConfig, secret: bytes, faults: FaultInjector | None = None) -> KVSender:
+    """A worker's (or rank's) KV sender for its config, its transport set up before the first request needs it."""
+    sender = KVSender(ack_timeout=kv.timeout_s, faults=faults, secret=secret, wire=codec.WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
+    sender.prepare(kv.transport)
+    return sender

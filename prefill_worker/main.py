@@ -18,10 +18,12 @@ from common.serving import ServerControl
 from common.worker import WorkerParts, lose_worker, run_worker, worker_main
 from engine import Engine
 from engine.async_engine import AsyncEngine
-from kvtransfer import FaultInjector, fingerprint
+from kvtransfer import FaultInjector, KVReceiver, fingerprint
 from kvtransfer.faults import FaultPoint
 from kvtransfer.pieces import RankSettings
-from prefill_worker.ranks import AGENT, make_sender
+from kvtransfer.prefix import PrefixPuller, PrefixSource
+from kvtransfer.sender import make_sender
+from prefill_worker.ranks import AGENT
 from prefill_worker.service import PrefillService
 from prefill_worker.streamer import LayerStreamer
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
@@ -36,18 +38,26 @@ async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str,
     engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks, rank_launcher=args.rank_launcher),
                          on_fatal=lose_worker)
     engine.start()
-    return prefill_parts(config, engine, worker_id, security, streamer, fault_point)
+    return await prefill_parts(config, engine, worker_id, security, streamer, fault_point)
 
 
-def prefill_parts(config: PdserveConfig, engine: AsyncEngine, worker_id: str, security: Security, streamer: LayerStreamer | None,
+async def prefill_parts(config: PdserveConfig, engine: AsyncEngine, worker_id: str, security: Security, streamer: LayerStreamer | None,
                   fault_point: FaultPoint | None) -> WorkerParts:
     """The prefill role over a started engine (built with `streamer` as its KV layer sink)."""
     kv = config.kv_transfer
     model_fingerprint = fingerprint(engine.global_layout, engine.model_config_json)
     sender = make_sender(kv, security.kv_secret, FaultInjector.configured(kv.faults))
-    service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point)
+    puller = None
+    if engine.tensor_parallel_size == 1:  # its own receiver, for prefixes it pulls from other workers (kvtransfer.prefix)
+        receiver = KVReceiver(engine.kv_cache, kv.transport, host=kv.host, secret=security.kv_secret)
+        await receiver.start()
+        puller = PrefixPuller(engine, receiver, model_fingerprint, security.channel, kv.timeout_s)
+    source = PrefixSource(engine, lambda: sender, model_fingerprint, fault_point)
+    service = PrefillService(engine, sender, model_fingerprint, worker_id, streamer, kv.timeout_s, fault_point, puller, source)
 
     async def close() -> None:
+        if puller is not None:
+            await puller.close()
         await asyncio.to_thread(sender.close)
         engine.stop()
 

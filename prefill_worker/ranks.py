@@ -17,27 +17,18 @@ import asyncio
 import dataclasses
 import logging
 
-from common.config import KVTransferConfig
 from common.engine_config import EngineConfig
 from engine.parallel import TensorParallelGroup
 from engine.parallel.messages import Call
 from engine.runtime import Runtime
-from kvtransfer import KVSender
-from kvtransfer.codec import WirePolicy
 from kvtransfer.errors import ErrorCode
 from kvtransfer.pieces import Destination, PieceSend, RankSettings, bytes_or_raise, outcome_of
+from kvtransfer.sender import make_sender
 from prefill_worker.streamer import LayerStreamer
 
 AGENT = "prefill_worker.ranks:PrefillRank"
 
 log = logging.getLogger(__name__)
-
-
-def make_sender(kv: KVTransferConfig, secret: bytes, faults=None) -> KVSender:
-    """The worker's (or rank's) KV sender, its transport set up before the first request needs it."""
-    sender = KVSender(ack_timeout=kv.timeout_s, faults=faults, secret=secret, wire=WirePolicy(kv.wire_dtype, kv.compress_below_gbps))
-    sender.prepare(kv.transport)
-    return sender
 
 
 class PrefillRank:

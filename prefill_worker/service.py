@@ -42,6 +42,7 @@ from engine.messages import chunk_from_output, prefill_timings, worker_stats
 from kvtransfer import KVEndpoint, KVSender, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from kvtransfer.pieces import Destination, PieceSend
+from kvtransfer.prefix import PrefixPuller, PrefixSource
 from kvtransfer.sharding import IncompatibleLayouts, check_compatible
 from prefill_worker.ranks import FollowerSends
 from prefill_worker.streamer import LayerStreamer
@@ -54,9 +55,12 @@ log = logging.getLogger(__name__)
 
 class PrefillService(pb_grpc.PrefillWorkerServicer):
     def __init__(self, engine: AsyncEngine, sender: KVSender, fingerprint: str, worker_id: str,
-                 streamer: LayerStreamer | None = None, ack_timeout_s: float = 30.0, fault_point: FaultPoint | None = None):
+                 streamer: LayerStreamer | None = None, ack_timeout_s: float = 30.0, fault_point: FaultPoint | None = None,
+                 puller: PrefixPuller | None = None, source: PrefixSource | None = None):
         """`streamer`: the sink the engine was built with (layer-wise streaming); None: every layer
-        is sent after the prompt's step. `fault_point`: test hook, None in production."""
+        is sent after the prompt's step. `fault_point`: test hook, None in production. `puller`: pulls
+        a prompt's prefix from the worker the router names (None: never); `source`: answers `SendPrefix`."""
+        self.puller, self.source = puller, source
         self.engine = engine
         self.sender = sender
         self.fingerprint = fingerprint
@@ -100,6 +104,9 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 kv_span = start_span("kv.send", context_of(call_span), SpanKind.PRODUCER, transfer_id=dest.transfer_id,
                                      transport=dest.endpoint.transport, destination=f"{dest.endpoint.host}:{dest.endpoint.port}",
                                      decode_ranks=len(dest.rank_endpoints) or 1)
+            pulled = 0
+            if self.puller is not None and request.HasField("kv_source"):
+                pulled = await self.puller.pull(request_id, list(request.token_ids), request.kv_source)
             first, first_out = await self._run_prefill(request_id, list(request.token_ids), params, request.priority, context)
             computed = time.monotonic()
             call_span.add_event("first token sampled")
@@ -118,6 +125,7 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 prompt_tokens=len(request.token_ids),
                 cached_prompt_tokens=first_out.num_cached_tokens,
                 kv_bytes_sent=sent if transfer is not None else 0,
+                pulled_prompt_tokens=pulled,
                 timings=prefill_timings(received, first_out, computed, kv_transfer_s=done - computed),
             )
         except KVTransferError as exc:
@@ -168,6 +176,11 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
                 transfer.send_layer(layer, k[transfer.start:], v[transfer.start:])
         logprob = first_out.logprobs[0] if first_out.logprobs else None
         transfer.finish(first_out.new_token_ids[0], logprob, first_out.top_logprobs[0] if first_out.top_logprobs else None)
+
+    async def SendPrefix(self, request: pb.SendPrefixRequest, context: grpc.aio.ServicerContext) -> pb.SendPrefixResponse:
+        if self.source is None:
+            await context.abort(grpc.StatusCode.UNIMPLEMENTED, "this worker sends no prefixes")
+        return await self.source.send(request, context)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, request, kv_bytes_sent=self.kv_bytes_sent)

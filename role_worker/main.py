@@ -45,7 +45,7 @@ def builder(role: str):
         streamer = LayerStreamer(fault_point) if config.kv_transfer.layerwise else None
         engine = AsyncEngine(Engine(config.engine_for(role), kv_sink=streamer), on_fatal=lose_worker)
         engine.start()
-        every = {"prefill": prefill_parts(config, engine, worker_id, security, streamer, fault_point),
+        every = {"prefill": await prefill_parts(config, engine, worker_id, security, streamer, fault_point),
                  "decode": await decode_parts(config, engine, args.kv_port, worker_id, security, fault_point)}
 
         async def close() -> None:

@@ -125,6 +125,19 @@ class KVIndex:
             count += 1
         return count
 
+    def usable_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
+        """How many of the chain's first blocks the worker can use without computing them: those in its pool,
+        then those that continue the run in any second tier (it loads them back)."""
+        entry = self._workers.get(worker_id)
+        if entry is None:
+            return 0
+        count = 0
+        for h in hashes:
+            if not any(h in blocks for blocks in entry.tiers.values()):
+                break
+            count += 1
+        return count
+
     def holders(self, block_hash: int, tier: str = TIER_POOL) -> list[str]:
         """The workers that hold `block_hash` in `tier`."""
         return [w for w, entry in self._workers.items() if block_hash in entry.blocks(tier)]

@@ -193,12 +193,13 @@ class Orchestrator:
         prompt_ids = list(request.token_ids)
         exclude = failed_prefill if self.pool.candidates("prefill", failed_prefill) else set()
         prefiller = self.pool.pick("prefill", prompt_ids, exclude=exclude)
+        source = self.pool.pull_source(prefiller, prompt_ids) if self.config.kv_pull else None
         prefiller.in_flight += 1
         with span("prefill", state.trace, SpanKind.CLIENT, worker_id=prefiller.worker_id, attempt=state.attempts) as current:
             try:
                 response = await prefiller.stub.Prefill(
                     pb.PrefillRequest(request_id=request.request_id, token_ids=request.token_ids, sampling=request.sampling,
-                                      kv_destination=admission.kv_destination, priority=request.priority),
+                                      kv_destination=admission.kv_destination, priority=request.priority, kv_source=source),
                     timeout=state.remaining(), metadata=outgoing_metadata(context_of(current)),
                 )
             except asyncio.CancelledError:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from common.block_hash import chain_hashes
 from common.engine_config import EngineConfig
 from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -138,6 +139,20 @@ class WorkerPool:
         worker = self.policy.choose(role, candidates, prompt_ids)
         worker.routed += 1
         return worker
+
+    def pull_source(self, puller: Worker, prompt_ids: list[int]) -> pb.KVSource | None:
+        """The healthy worker whose pool holds more of the prompt's leading blocks than `puller` has (pool
+        or tier) and the most of any, by the KV index: where `puller` may pull them from (kvtransfer.prefix)."""
+        block_size = self.policy.block_size
+        hashes = chain_hashes(prompt_ids, block_size, max_blocks=(len(prompt_ids) - 1) // block_size)
+        own = self.kv_index.usable_blocks(puller.worker_id, hashes)
+        holders = [(self.kv_index.leading_blocks(w.worker_id, hashes), w) for w in self.workers.values()
+                   if w is not puller and w.healthy and not w.draining]
+        held, holder = max(holders, key=lambda pair: pair[0], default=(0, None))
+        if holder is None or held <= own:
+            return None
+        return pb.KVSource(worker_id=holder.worker_id, address=holder.address, num_tokens=held * block_size,
+                           role=pb.ROLE_DECODE if holder.role == "decode" else pb.ROLE_PREFILL)
 
     async def refresh_static_stats(self, timeout_s: float = 2.0) -> None:
         """Workers given by address have no heartbeat: poll their Stats (and health) instead."""

@@ -122,3 +122,28 @@ def follower_rank(worker) -> psutil.Process:
     ranks = [c for c in children if "spawn_main" in " ".join(c.cmdline()) and "resource_tracker" not in " ".join(c.cmdline())]
     assert len(ranks) == 1, [c.cmdline() for c in children]
     return ranks[0]
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(2, 2), (1, 2)])
+def test_a_conversation_moves_only_each_turns_new_tokens_rank_to_rank(tmp_path, tiny, prefill_tp, decode_tp):
+    """Three turns, each the last turn's prompt and answer plus a new message: the tensor-parallel decode
+    worker's ranks hold the earlier turns, so every rank receives only the KV of its heads past them
+    (at most the new tokens and one block); greedy == HF on every turn."""
+    path, reference = tiny
+    config = write_config(tmp_path / "tp.yaml", transport="ucx", engine={"model": path},
+                          pools={"prefill": {"tensor_parallel_size": prefill_tp}, "decode": {"tensor_parallel_size": decode_tp}})
+    per_token = kv_bytes(reference, [[0]])
+    with LocalCluster(config, num_prefill=1, num_decode=1) as cluster:
+        prompt, seen = PROMPTS[1], []
+        for turn in range(3):
+            before = cluster.worker_stats(cluster.decode[0]).kv_bytes_received
+            tokens, last = generate(cluster.router.address, prompt, MAX_NEW)
+            moved = cluster.worker_stats(cluster.decode[0]).kv_bytes_received - before
+            assert tokens == hf_generate(reference, prompt, MAX_NEW), f"turn {turn}"
+            held = last.timings.kv_blocks_reused * 16
+            assert moved == (len(prompt) - held) * per_token
+            if turn:
+                assert held > 0 and len(prompt) - held <= len(prompt) - len(seen) + 16, f"turn {turn}: {held} of {len(prompt)} held"
+            seen = prompt + tokens
+            prompt = seen + list(range(300 + 10 * turn, 310 + 10 * turn))
+        cluster.assert_no_leaked_blocks()

@@ -303,36 +303,68 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., chunk: _Optional[_Union[TokenChunk, _Mapping]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "token_ids", "sampling", "kv_destination", "kv_ack_timeout_s", "priority")
+    __slots__ = ("request_id", "token_ids", "sampling", "kv_destination", "kv_ack_timeout_s", "priority", "kv_source")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
     KV_ACK_TIMEOUT_S_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    KV_SOURCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
     kv_destination: KVDestination
     kv_ack_timeout_s: float
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., kv_ack_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ...) -> None: ...
+    kv_source: KVSource
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ..., kv_ack_timeout_s: _Optional[float] = ..., priority: _Optional[int] = ..., kv_source: _Optional[_Union[KVSource, _Mapping]] = ...) -> None: ...
+
+class KVSource(_message.Message):
+    __slots__ = ("worker_id", "address", "role", "num_tokens")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    address: str
+    role: Role
+    num_tokens: int
+    def __init__(self, worker_id: _Optional[str] = ..., address: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., num_tokens: _Optional[int] = ...) -> None: ...
+
+class SendPrefixRequest(_message.Message):
+    __slots__ = ("request_id", "token_ids", "kv_destination")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    KV_DESTINATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    kv_destination: KVDestination
+    def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., kv_destination: _Optional[_Union[KVDestination, _Mapping]] = ...) -> None: ...
+
+class SendPrefixResponse(_message.Message):
+    __slots__ = ("kv_bytes_sent",)
+    KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
+    kv_bytes_sent: int
+    def __init__(self, kv_bytes_sent: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "first_token", "prompt_tokens", "cached_prompt_tokens", "kv_bytes_sent", "timings")
+    __slots__ = ("request_id", "first_token", "prompt_tokens", "cached_prompt_tokens", "kv_bytes_sent", "timings", "pulled_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_BYTES_SENT_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
+    PULLED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     first_token: FirstToken
     prompt_tokens: int
     cached_prompt_tokens: int
     kv_bytes_sent: int
     timings: StageTimings
-    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ...) -> None: ...
+    pulled_prompt_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., first_token: _Optional[_Union[FirstToken, _Mapping]] = ..., prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., timings: _Optional[_Union[StageTimings, _Mapping]] = ..., pulled_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
     __slots__ = ("request_id", "token_ids", "sampling", "local_prefill", "kv_timeout_s", "recompute", "priority")

@@ -496,6 +496,11 @@ class PrefillWorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.SendPrefix = channel.unary_unary(
+                '/pdserve.v1.PrefillWorker/SendPrefix',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -516,6 +521,14 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendPrefix(self, request, context):
+        """Send the KV of a prompt prefix this worker's prefix cache holds to another worker that pulls it
+        (kvtransfer/prefix.py). FAILED_PRECONDITION: it no longer holds the whole prefix.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -528,6 +541,11 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.WorkerStats.SerializeToString,
+            ),
+            'SendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendPrefix,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -595,6 +613,33 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def SendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.PrefillWorker/SendPrefix',
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Admits requests, receives their KV and decodes them with continuous batching.
@@ -616,6 +661,11 @@ class DecodeWorkerStub:
                 request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.WorkerStats.FromString,
                 _registered_method=True)
+        self.SendPrefix = channel.unary_unary(
+                '/pdserve.v1.DecodeWorker/SendPrefix',
+                request_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -636,6 +686,13 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SendPrefix(self, request, context):
+        """as PrefillWorker.SendPrefix
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -648,6 +705,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.FromString,
                     response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.WorkerStats.SerializeToString,
+            ),
+            'SendPrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.SendPrefix,
+                    request_deserializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixRequest.FromString,
+                    response_serializer=proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -705,6 +767,33 @@ class DecodeWorker:
             '/pdserve.v1.DecodeWorker/Stats',
             proto_dot_pdserve_dot_v1_dot_pdserve__pb2.StatsRequest.SerializeToString,
             proto_dot_pdserve_dot_v1_dot_pdserve__pb2.WorkerStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SendPrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeWorker/SendPrefix',
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixRequest.SerializeToString,
+            proto_dot_pdserve_dot_v1_dot_pdserve__pb2.SendPrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,
