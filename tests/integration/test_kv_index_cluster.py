@@ -199,6 +199,7 @@ def test_a_strangers_kv_events_are_refused(cluster):
     after = cluster.index()
     assert 12345 not in set().union(*(set(w.block_hashes) for w in after.values()))
     assert after["prefill-a"].epoch == target.epoch and after["prefill-a"].exact
+    cluster.assert_no_leaked_blocks()
 
 
 def test_a_restarted_router_rebuilds_the_index_from_the_workers_snapshots(cluster):

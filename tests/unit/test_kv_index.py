@@ -4,6 +4,7 @@ the real Registry servicer over gRPC, and the kv_aware policy's choices."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ import pytest
 from common.block_hash import ROOT, BlockEvents, chain_hashes, next_hash
 from common.config import RouterConfig
 from common.plugins import ROUTING_POLICIES
-from common.registration import KVEventReporter
+from common.registration import KVEventReporter, RegistrationLoop
 from common.sampling import SamplingParams
 from engine.block_manager import BlockManager
 from engine.sequence import Sequence
@@ -253,6 +254,68 @@ async def test_registry_refuses_events_of_strangers_and_former_registrations(reg
     assert [(w.worker_id, w.epoch, w.blocks, list(w.block_hashes)) for w in view.workers] == [("d0", new, 0, [])]
     await stub.Deregister(pb.DeregisterRequest(worker_id="d0"))
     assert not (await stub.KVIndex(pb.KVIndexRequest())).workers
+
+
+def test_reporter_sends_early_when_many_events_wait_and_never_without_an_epoch():
+    bm = BlockManager(num_blocks=1024, block_size=1)
+    reporter = KVEventReporter(FakeEngine(bm), "p0", stub=None)
+    assert not reporter.due(1.0)  # no epoch: a router without an index
+    reporter.begin(7)
+    assert reporter.due(1.0)  # the snapshot of a new epoch
+    reporter.snapshot_due, reporter.sent_at = False, float("inf")
+    bm.free(run(bm, "a", list(range(reporter.early_flush_events - 1))))
+    assert not reporter.due(1.0)
+    bm.free(run(bm, "b", list(range(5000, 5010))))
+    assert reporter.due(1.0)
+    reporter.begin(7)
+    assert reporter.seq == 0 and not reporter.snapshot_due  # the same epoch again changes nothing
+
+
+class FakeService:
+    """A worker servicer as RegistrationLoop sees it: Stats for heartbeats, `engine` for KV events."""
+
+    def __init__(self, bm: BlockManager):
+        self.engine = FakeEngine(bm)
+
+    async def Stats(self, request, context) -> pb.WorkerStats:
+        return pb.WorkerStats(worker_id="p0")
+
+
+async def wait_for(condition, timeout: float = 10.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.02)
+
+
+async def test_registration_loop_reports_and_rebuilds_its_entry_after_the_router_dropped_it():
+    pool = WorkerPool()
+    server = grpc.aio.server()
+    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool, heartbeat_interval_s=0.1), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm.free(run(bm, "before", list(range(8))))  # cached before registering: the first snapshot carries it
+    loop = RegistrationLoop(f"127.0.0.1:{port}", "prefill", "p0", "127.0.0.1:9", FakeService(bm), "m")
+    loop.start()
+    try:
+        def synced() -> bool:
+            entry = pool.kv_index.entry("p0")
+            return entry is not None and entry.exact and entry.blocks() == set(bm.cached_hashes())
+
+        await wait_for(synced)
+        first = pool.kv_index.epoch("p0")
+        bm.free(run(bm, "more", list(range(100, 112))))
+        await wait_for(synced)
+        pool.mark_failed(pool.workers["p0"])  # out of rotation: the entry is gone at once
+        assert pool.kv_index.entry("p0") is None
+        await wait_for(synced)  # the next heartbeat opened a new epoch, the worker sent a snapshot
+        assert pool.kv_index.epoch("p0") != first and pool.workers["p0"].healthy
+    finally:
+        await loop.stop()
+        await server.stop(None)
+        await pool.close()
+    assert pool.kv_index.entry("p0") is None  # deregistered
 
 
 # ---- kv_aware ------------------------------------------------------------------------------------
