@@ -198,7 +198,14 @@ def _trace_replay(r: dict) -> dict:
             for name, res in r["results"].items() if (m := res.get("metrics"))}
 
 
+def _kv_tier(r: dict) -> dict:
+    longest = str(max(r["lengths"]))
+    return {"loading_wins_from_tokens": r["loading_wins_from_tokens"],
+            f"computed_over_loaded_at_{longest}": {kind: rows[longest]["computed_over_loaded"] for kind, rows in r["results"].items()}}
+
+
 HEADLINES: dict[str, Callable[[dict], dict]] = {
+    "kv_tier": _kv_tier,
     "engine": _engine,
     "static_vs_continuous": _static,
     "prefill_interference": _interference,

@@ -58,12 +58,13 @@ class KVEventReporter:
     async def send(self) -> None:
         """Drain and send one batch; a failed send makes the next one a snapshot (the router may or may
         not have applied it) and raises."""
-        events: BlockEvents = await self.engine.kv_events(snapshot=self.snapshot_due)
+        tiers: list[BlockEvents] = await self.engine.kv_events(snapshot=self.snapshot_due)
         self.seq += 1
         self.sent_at = time.monotonic()
-        batch = pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, snapshot=events.snapshot)
-        for stored, hashes in events.runs:
-            batch.events.add(stored=stored, tier=TIERS[events.tier], block_hashes=hashes)
+        batch = pb.KVEventBatch(worker_id=self.worker_id, epoch=self.epoch, seq=self.seq, snapshot=any(e.snapshot for e in tiers))
+        for events in tiers:
+            for stored, hashes in events.runs:
+                batch.events.add(stored=stored, tier=TIERS[events.tier], block_hashes=hashes)
         self.snapshot_due = True
         reply = await self.stub.ReportKVEvents(batch, timeout=5.0)
         self.snapshot_due = reply.snapshot_wanted

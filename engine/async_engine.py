@@ -139,15 +139,15 @@ class AsyncEngine:
         return await self._call(self._engine.stats)
 
     # ---- KV events (the router's index of cached blocks) ---------------------------------------
-    async def kv_events(self, snapshot: bool = False) -> BlockEvents:
-        """Blocks the prefix cache stored and evicted since the last call (or, with `snapshot` or after
-        events were lost, every block it holds)."""
-        return await self._call(lambda: self._engine.blocks.drain_events(snapshot))
+    async def kv_events(self, snapshot: bool = False) -> list[BlockEvents]:
+        """Blocks the prefix cache (and the second tier) stored and evicted since the last call, one BlockEvents
+        per tier (or, with `snapshot` or after events were lost, every block each holds)."""
+        return await self._call(lambda: self._engine.kv_events(snapshot))
 
     @property
     def pending_kv_events(self) -> int:
         """How many events the next `kv_events` would return (a plain read; no engine-thread call)."""
-        return self._engine.blocks.num_pending_events
+        return self._engine.num_pending_kv_events
 
     async def cached_block_hashes(self) -> list[int]:
         """Every block hash in the prefix cache now (does not drain events)."""

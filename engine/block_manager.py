@@ -192,6 +192,11 @@ class BlockManager:
         """Events not drained yet (read from any thread: a worker decides whether to send early)."""
         return len(self._events)
 
+    @property
+    def events_lost(self) -> bool:
+        """Events were dropped (nobody drained them): the next drain is a snapshot."""
+        return self._events_lost
+
     def drain_events(self, snapshot: bool = False) -> BlockEvents:
         """The stores and evictions since the last drain; a snapshot of every cached block instead when
         `snapshot` is asked or events were dropped (nobody drained them)."""

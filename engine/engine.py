@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from common.block_hash import BlockEvents
 from common.engine_config import EngineConfig
 from common.errors import InvalidRequestError
 from common.hardware import cpu_info
@@ -248,6 +249,17 @@ class Engine:
         self._pending_outputs.extend(
             RequestOutput(request_id, index=i, finished=True, finish_reason=FinishReason.ABORT, num_prompt_tokens=prompt) for i in sorted(indexes)
         )
+
+    def kv_events(self, snapshot: bool = False) -> list[BlockEvents]:
+        """What the pool's prefix cache (and the second tier, if any) stored and evicted since the last call,
+        one BlockEvents per tier; snapshots of both when asked or when either lost events."""
+        snapshot = snapshot or self.blocks.events_lost or (self.tier is not None and self.tier.events_lost)
+        pool = self.blocks.drain_events(snapshot)
+        return [pool] if self.tier is None else [pool, self.tier.drain_events(pool.snapshot)]
+
+    @property
+    def num_pending_kv_events(self) -> int:
+        return self.blocks.num_pending_events + (self.tier.num_pending_events if self.tier is not None else 0)
 
     def hold_prefix(self, request_id: str, token_ids: list[int]) -> bool:
         """Pin the cached blocks of a prefix (whole blocks) another worker pulls, until `release`; False:

@@ -138,6 +138,7 @@ class KVTier:
         self.capacity_blocks = max(1, (self.config.budget_mb << 20) // self.block_bytes)
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._events: list[tuple[bool, int]] = []
+        self._events_lost = False
 
     @property
     def name(self) -> str:
@@ -159,7 +160,7 @@ class KVTier:
         payload = self._read_block(block_id)
         self.store.put(block_hash, crc32c.crc32c(payload).to_bytes(4, "little") + payload)
         self._lru[block_hash] = None
-        self._events.append((True, block_hash))
+        self._record(True, block_hash)
         self.stats.stored_blocks += 1
         while len(self._lru) > self.capacity_blocks:
             self._drop(next(iter(self._lru)))
@@ -192,9 +193,29 @@ class KVTier:
         self.rates.observe_load(time.perf_counter() - started, 1)
         return True
 
-    def drain_events(self) -> BlockEvents:
+    @property
+    def events_lost(self) -> bool:
+        return self._events_lost
+
+    @property
+    def num_pending_events(self) -> int:
+        return len(self._events)
+
+    def drain_events(self, snapshot: bool = False) -> BlockEvents:
+        """What the tier stored and dropped since the last drain, or (`snapshot`, or events were lost: nobody
+        drained them) every block it holds."""
         events, self._events = self._events, []
+        if snapshot or self._events_lost:
+            self._events_lost = False
+            return BlockEvents([(True, list(self._lru))], snapshot=True, tier=self.name)
         return BlockEvents(BlockEvents.of(events).runs, tier=self.name)
+
+    def _record(self, stored: bool, block_hash: int) -> None:
+        if len(self._events) >= 4 * self.capacity_blocks + 4096:  # nobody drains them (no router)
+            self._events.clear()
+            self._events_lost = True
+        if not self._events_lost:
+            self._events.append((stored, block_hash))
 
     def close(self) -> None:
         self.store.close()
@@ -204,7 +225,7 @@ class KVTier:
     def _drop(self, block_hash: int) -> None:
         if block_hash in self._lru:
             del self._lru[block_hash]
-            self._events.append((False, block_hash))
+            self._record(False, block_hash)
             self.stats.dropped_blocks += 1
         self.store.drop(block_hash)
 

@@ -97,7 +97,7 @@ class KVAware(RoundRobin):
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
         # the engine never counts a prompt's last token as cached (it must compute one to sample)
         hashes = chain_hashes(prompt_ids, self.block_size, max_blocks=(len(prompt_ids) - 1) // self.block_size)
-        held = {w.worker_id: self.index.leading_blocks(w.worker_id, hashes) * self.block_size for w in candidates}
+        held = {w.worker_id: self.index.usable_blocks(w.worker_id, hashes) * self.block_size for w in candidates}  # pool, then its tier
         if role == "decode":
             return self._decode(candidates, held, len(prompt_ids))
         n = len(prompt_ids)

@@ -70,7 +70,7 @@ def save_figure(fig, filename: str) -> str:
     path = RESULTS / filename
     fig.savefig(path, dpi=110)
     pyplot().close(fig)
-    return str(path.relative_to(REPO))
+    return str(path.relative_to(REPO)) if path.is_relative_to(REPO) else str(path)
 
 
 def setup_logging() -> None:

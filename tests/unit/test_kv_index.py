@@ -185,8 +185,8 @@ class FakeEngine:
     def pending_kv_events(self) -> int:
         return self.bm.num_pending_events
 
-    async def kv_events(self, snapshot: bool = False) -> BlockEvents:
-        return self.bm.drain_events(snapshot)
+    async def kv_events(self, snapshot: bool = False) -> list[BlockEvents]:
+        return [self.bm.drain_events(snapshot)]
 
 
 @pytest.fixture
