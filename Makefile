@@ -1,7 +1,7 @@
 # Newcomer entry points; see README.md.
 PY := .venv/bin/python
 
-.PHONY: setup test test-scenarios test-slow test-multihost lint demo proto bench
+.PHONY: setup test test-scenarios test-package test-slow test-multihost lint demo proto bench
 
 setup:
 	bash scripts/setup.sh
@@ -12,6 +12,11 @@ test: setup
 # whole deployments on one host (Ray scaling and role switches, faults, tensor-parallel clusters, overload): tests/scenarios/
 test-scenarios: setup
 	$(PY) -m pytest tests/scenarios
+
+# the wheel as a user installs it: built, installed into a fresh virtualenv outside the checkout, `pdserve serve`
+# on the demo model from a temporary directory (gRPC, OpenAI, status, bench, clean stop): tests/package/
+test-package: setup
+	$(PY) -m pytest -s tests/package
 
 test-slow: setup
 	$(PY) -m pytest -m slow tests/scenarios

@@ -14,15 +14,16 @@ from common.hardware import cpu_info
 from engine import Engine, EngineConfig
 from engine.model_loader import LoadedModel, load_model
 
-SCENARIOS = Path(__file__).parent / "scenarios"
+NAMED_ONLY = (Path(__file__).parent / "scenarios", Path(__file__).parent / "package")
+"""Long groups of their own (`make test-scenarios`, `make test-package`), left out of a bare `pytest`."""
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    """tests/scenarios/ is collected only when a command line names it or a path inside it."""
-    if collection_path != SCENARIOS:
+    """tests/scenarios/ and tests/package/ are collected only when a command line names them or a path inside them."""
+    if collection_path not in NAMED_ONLY:
         return None
     named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
-    return not any(path == SCENARIOS or SCENARIOS in path.parents for path in named)
+    return not any(path == collection_path or collection_path in path.parents for path in named)
 
 
 PROCESSES_AT_SETUP = pytest.StashKey[tuple[list, int]]()
