@@ -29,7 +29,8 @@ class Setup:
     def config(self, base: dict[str, Any]) -> dict[str, Any]:
         """The base config with this setup's policy and overrides (nested mappings merged, the rest replaced)."""
         config = copy.deepcopy(base)
-        _merge(config, {"router": {"policy": self.policy}, **self.overrides})
+        _merge(config, {"router": {"policy": self.policy}})
+        _merge(config, self.overrides)
         return config
 
     def unavailable(self, base: dict[str, Any]) -> str | None:
@@ -54,7 +55,7 @@ class Setup:
 
 
 TIER = {"engine": {"kv_tier": {"kind": "memory", "budget_mb": TIER_MB}}}
-PULL = {"kv_transfer": {"pull": True}}
+PULL = {"router": {"kv_pull": True}}
 
 SETUPS: tuple[Setup, ...] = (
     Setup("round_robin", "round_robin"),
