@@ -5,8 +5,8 @@ only when every part it names exists: its policy is registered (common/plugins.p
 config loader accepts its whole config (common.config.config_from_dict: an unknown field is refused). A
 setup that cannot run is listed in the results as "not available: <why>", never approximated by another.
 
-The tier and pull keys below are the names the replayer expects for issue #44's items 4 and 5; when those
-land under other names, the entries here are the one place to change.
+The tier and pull keys below are issue #44 items 4 and 5 as they landed (engine.kv_tier, router.kv_pull); a
+rename is one line here.
 """
 
 from __future__ import annotations
