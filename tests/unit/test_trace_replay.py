@@ -126,6 +126,8 @@ def test_setups_run_only_when_their_parts_exist():
     merged = Setup("x", "round_robin", {"engine": {"kv_cache_memory_mb": 7}}).config(base)
     assert merged["engine"]["kv_cache_memory_mb"] == 7 and merged["engine"]["max_num_seqs"] == base["engine"]["max_num_seqs"]
     assert base["engine"]["kv_cache_memory_mb"] != 7 and "policy" not in base["router"]  # the base is left alone
+    routed = Setup("y", "prefix_aware", {"router": {"kv_pull": True}}).config(base)["router"]
+    assert routed["policy"] == "prefix_aware" and routed["kv_pull"] and routed["host"] == base["router"]["host"]
 
 
 def record(index, ttft, prompt_len=40, gaps=(0.05, 0.05)) -> dict:
