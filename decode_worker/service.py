@@ -41,8 +41,8 @@ from common.serving import CallGate
 from common.tracing import annotate, context_of, fail, server_span, span
 from decode_worker.ranks import FollowerReceivers
 from engine.async_engine import AsyncEngine
-from engine.engine import RemoteReservation
 from engine.messages import chunk_from_output, prefill_timings, worker_stats
+from engine.outputs import RemoteReservation
 from engine.sampler import Sample
 from kvtransfer import KVEndpoint, KVReceiver, KVTransferError
 from kvtransfer.faults import FaultPoint, reached

@@ -11,8 +11,8 @@ import importlib
 
 _EXPORTS = {
     "Engine": "engine.engine",
-    "EngineStats": "engine.engine",
-    "RequestOutput": "engine.engine",
+    "EngineStats": "engine.outputs",
+    "RequestOutput": "engine.outputs",
     "EngineConfig": "common.engine_config",
     "EngineError": "common.errors",
     "InvalidRequestError": "common.errors",

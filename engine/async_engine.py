@@ -28,8 +28,9 @@ import torch
 from common.block_hash import BlockEvents
 from common.errors import EngineError, RankLost
 from common.sampling import SamplingParams
-from engine.engine import Engine, EngineStats, RemoteReservation, RequestOutput
+from engine.engine import Engine
 from engine.kv_cache import KVCache, KVLayout
+from engine.outputs import EngineStats, RemoteReservation, RequestOutput
 from engine.parallel import TensorParallelGroup
 from engine.sampler import Sample
 

@@ -12,7 +12,7 @@ from proto.pdserve.v1 import pdserve_pb2 as pb
 
 if TYPE_CHECKING:
     from engine.async_engine import AsyncEngine
-    from engine.engine import RequestOutput
+    from engine.outputs import RequestOutput
 
 
 def chunk_from_output(out: RequestOutput, skip: int = 0) -> pb.TokenChunk:

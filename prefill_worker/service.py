@@ -37,8 +37,8 @@ from common.errors import InvalidRequestError
 from common.serving import CallGate
 from common.tracing import annotate, context_of, fail, server_span, start_span
 from engine.async_engine import AsyncEngine
-from engine.engine import RequestOutput
 from engine.messages import chunk_from_output, prefill_timings, worker_stats
+from engine.outputs import RequestOutput
 from kvtransfer import KVEndpoint, KVSender, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from kvtransfer.pieces import Destination, PieceSend
