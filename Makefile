@@ -1,7 +1,7 @@
 # Newcomer entry points; see README.md.
 PY := .venv/bin/python
 
-.PHONY: setup test test-scenarios test-package test-slow test-multihost lint demo proto bench
+.PHONY: setup test test-scenarios test-package test-image test-slow test-multihost lint demo proto bench
 
 setup:
 	bash scripts/setup.sh
@@ -17,6 +17,10 @@ test-scenarios: setup
 # on the demo model from a temporary directory (gRPC, OpenAI, status, bench, clean stop): tests/package/
 test-package: setup
 	$(PY) -m pytest -s tests/package
+
+# the container image of deploy/docker/Dockerfile built with buildah (root; ~10 min warm, ~20 cold; not in CI): tests/image/
+test-image: setup
+	$(PY) -m pytest -s tests/image
 
 test-slow: setup
 	$(PY) -m pytest -m slow tests/scenarios

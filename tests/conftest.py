@@ -14,12 +14,12 @@ from common.hardware import cpu_info
 from engine import Engine, EngineConfig
 from engine.model_loader import LoadedModel, load_model
 
-NAMED_ONLY = (Path(__file__).parent / "scenarios", Path(__file__).parent / "package")
-"""Long groups of their own (`make test-scenarios`, `make test-package`), left out of a bare `pytest`."""
+NAMED_ONLY = tuple(Path(__file__).parent / group for group in ("scenarios", "package", "image"))
+"""Long groups of their own (`make test-scenarios`, `make test-package`, `make test-image`), left out of a bare `pytest`."""
 
 
 def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
-    """tests/scenarios/ and tests/package/ are collected only when a command line names them or a path inside them."""
+    """tests/scenarios/, tests/package/ and tests/image/ are collected only when a command line names them or a path inside them."""
     if collection_path not in NAMED_ONLY:
         return None
     named = (Path(arg.split("::")[0]).resolve() for arg in config.args)

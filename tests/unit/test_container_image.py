@@ -1,6 +1,6 @@
 """deploy/docker/Dockerfile and the KubeRay manifests that run its image agree: what it copies exists and is every
 package the wheel ships, its entrypoint is the CLI, its Ray is the clusters', the head runs the CPU build and GPU
-workers the CUDA build, and docs/deploy.md has the command for each tag. (tests/scenarios/test_container_image.py
+workers the CUDA build, and docs/deploy.md has the command for each tag. (tests/image/test_container_image.py
 builds and starts it where a container builder can run.)"""
 
 from __future__ import annotations
