@@ -39,6 +39,7 @@ async def refresh_stats(slots: list[WorkerSlot]) -> list[WorkerSlot]:
     async def fetch(slot: WorkerSlot) -> bool:
         try:
             slot.stats = await wait_ref(slot.actor.stats.remote(), 5.0)
+            slot.stats_at = time.monotonic()
         except RayActorError:
             return slot.state == "ready"
         except Exception:  # noqa: BLE001 - slow or failing: keep the last stats, mark unknown
@@ -145,11 +146,13 @@ class Monitor:
         self._latency_prev = current
 
     async def status(self) -> dict:
-        """The router's view and every ready worker's Stats, asked all at once (one round trip, not one per pool)."""
+        """The router's view, with the workers' Stats as the last tick read them (at most HEALTH_INTERVAL_S old; those
+        older or never read are asked now, all at once): an operator polling status adds no load on the workers."""
         ctrl = self.controller
         slots = {role: list(pool.workers.values()) for role, pool in ctrl.pools.items()}
-        (router, registered), _ = await asyncio.gather(self._router_status(),
-                                                       refresh_stats([s for ss in slots.values() for s in ss if s.state == "ready"]))
+        stale = time.monotonic() - HEALTH_INTERVAL_S
+        (router, registered), _ = await asyncio.gather(self._router_status(), refresh_stats(
+            [s for ss in slots.values() for s in ss if s.state == "ready" and (s.stats is None or s.stats_at < stale)]))
         pools = {role: {
             "replicas": len(pool.active()),
             "target": pool.target,

@@ -29,6 +29,8 @@ class WorkerSlot:
     """starting -> ready (<-> switching) -> draining (then gone)."""
     info: dict = field(default_factory=dict)
     stats: dict | None = None
+    stats_at: float = 0.0
+    """time.monotonic() of the last Stats read (deploy/monitor.py)."""
     created: float = field(default_factory=time.time)
 
 
