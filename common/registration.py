@@ -78,6 +78,9 @@ class RegistrationLoop:
         self.service = service
         self.interval_s = 1.0
         self._task: asyncio.Task | None = None
+        self._kv_send: asyncio.Future | None = None
+        """The KV batch in flight: sent beside the heartbeats, which never wait for it (a batch waits for the
+        engine's step to end, and so does the heartbeat's Stats: in one loop a long step would count twice)."""
         self._stopped = False
         self.registered = asyncio.Event()
         """Set once the router accepted our Register (a role switch waits for it)."""
@@ -101,6 +104,9 @@ class RegistrationLoop:
                 await self._task
             except asyncio.CancelledError:
                 pass
+        if self._kv_send is not None:
+            self._kv_send.cancel()
+            await asyncio.gather(self._kv_send, return_exceptions=True)
         try:
             await self._stub.Deregister(pb.DeregisterRequest(worker_id=self.info.worker_id), timeout=2.0)
         except grpc.aio.AioRpcError:
@@ -125,8 +131,9 @@ class RegistrationLoop:
                     reply = await self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.info.worker_id, stats=stats), timeout=5.0)
                     registered = reply.known
                     self._begin_epoch(reply.epoch)
-                if registered and self.kv_events is not None and self.kv_events.due(self.interval_s):
-                    await self.kv_events.send()
+                self._check_kv_send()
+                if registered and self.kv_events is not None and self._kv_send is None and self.kv_events.due(self.interval_s):
+                    self._kv_send = asyncio.ensure_future(self.kv_events.send())
                 await asyncio.sleep(TICK_S)
                 continue
             except grpc.aio.AioRpcError as exc:
@@ -141,6 +148,14 @@ class RegistrationLoop:
                     log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
             next_beat = 0.0
             await asyncio.sleep(self.interval_s)
+
+    def _check_kv_send(self) -> None:
+        """A finished KV batch: forget it, raising its failure into the loop (which registers again)."""
+        if self._kv_send is None or not self._kv_send.done():
+            return
+        done, self._kv_send = self._kv_send, None
+        if not done.cancelled() and done.exception() is not None:
+            raise done.exception()
 
     def _begin_epoch(self, epoch: int) -> None:
         if self.kv_events is not None:
