@@ -198,6 +198,12 @@ def _trace_replay(r: dict) -> dict:
             for name, res in r["results"].items() if (m := res.get("metrics"))}
 
 
+def _status_latency(r: dict) -> dict:
+    summary = r["results"]["summary"]
+    return {"status_wall_median_s": summary["endpoint"]["wall_median_s"], "through_ray_wall_median_s": summary["ray"]["wall_median_s"],
+            "router_rss_mb": r["results"]["router"][0]["rss_mb"]}
+
+
 def _kv_tier(r: dict) -> dict:
     longest = str(max(r["lengths"]))
     return {"loading_wins_from_tokens": r["loading_wins_from_tokens"],
@@ -206,6 +212,7 @@ def _kv_tier(r: dict) -> dict:
 
 HEADLINES: dict[str, Callable[[dict], dict]] = {
     "kv_tier": _kv_tier,
+    "status_latency": _status_latency,
     "engine": _engine,
     "static_vs_continuous": _static,
     "prefill_interference": _interference,
