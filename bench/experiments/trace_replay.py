@@ -36,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import shlex
 import sys
 import tempfile
@@ -147,6 +148,41 @@ def settle(cluster: BenchCluster, timeout: float = 30.0) -> dict[str, dict[str, 
         time.sleep(0.3)
 
 
+class CpuUse:
+    """Cores' worth of CPU (CPU seconds per second) used between start and `stop()` by the cluster's processes, by
+    this one (the load generator) and by everything else on the machine (/proc/stat's busy time minus both: other
+    users' work, which a shared machine does not stop and which the configurations compared should not differ by)."""
+
+    def __init__(self, pids: list[int]):
+        self.pids = pids
+        self.start = self._sample()
+
+    def _sample(self) -> tuple[float, float, float, float]:
+        import psutil
+
+        with open("/proc/stat") as f:
+            user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
+        busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
+        cluster = 0.0
+        for pid in self.pids:
+            try:
+                root = psutil.Process(pid)
+                for proc in [root, *root.children(recursive=True)]:
+                    t = proc.cpu_times()
+                    cluster += t.user + t.system
+            except psutil.Error:
+                continue
+        own = psutil.Process().cpu_times()
+        return busy, cluster, own.user + own.system, time.monotonic()
+
+    def stop(self) -> dict[str, float]:
+        (busy0, cluster0, own0, t0), (busy1, cluster1, own1, t1) = self.start, self._sample()
+        span = max(1e-9, t1 - t0)
+        cluster, own = cluster1 - cluster0, own1 - own0
+        return {"cluster": round(cluster / span, 3), "load_generator": round(own / span, 3),
+                "others": round(max(0.0, busy1 - busy0 - cluster - own) / span, 3)}
+
+
 def check_fits(cluster: BenchCluster, workload: Workload, args: argparse.Namespace) -> None:
     """Every request of the window fits one worker's KV pool (else it could never be admitted)."""
     blocks = min(s["total_kv_blocks"] for s in snapshot(cluster).values())
@@ -179,13 +215,16 @@ def run_setup(setup: Setup, base: dict[str, Any], args: argparse.Namespace, prep
         specs = prepare(cluster)
         before = settle(cluster)
         loadavg_before = common.loadavg()
+        cpu = CpuUse([p.pid for p in [cluster.router, *cluster.prefill, *cluster.decode]])
         records, duration = replay(cluster.grpc_address, specs)
+        cpu_cores = cpu.stop()
         loadavg_after = common.loadavg()
         after = settle(cluster)
         index = kv_index(cluster)
     leaked = {name: s["total_kv_blocks"] - s["free_kv_blocks"] for name, s in after.items()}
     delta = {name: {k: after[name][k] - before[name][k] for k in COUNTERS} for name in after}
     return {"status": "ran", "setup": setup.describe(), "duration_s": duration, "loadavg": [loadavg_before, loadavg_after],
+            "cpu_cores": cpu_cores,
             "workers": delta, "kv_blocks_per_worker": {n: s["total_kv_blocks"] for n, s in after.items()},
             "leaked_kv_blocks": leaked, "kv_index_at_end": index, "log_dir": str(log_dir), "requests": records}
 

@@ -127,20 +127,26 @@ def markdown(report: dict[str, Any]) -> str:
              f"({c['kv_blocks_per_worker']} blocks of {c['block_size']} tokens). SLOs: TTFT <= {report['slos_ms']['ttft']:g} ms, "
              f"TPOT <= {report['slos_ms']['tpot']:g} ms.", "",
              "| config | prompt tokens computed | reuse (of bound; of pool bound) | KV MB moved / req | TTFT p50 / p99 (ms) "
-             "| ITL p99 (ms) | goodput (req/s) | good / sent (failed) | vs round_robin: TTFT p50, p99, goodput |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| ITL p99 (ms) | goodput (req/s) | good / sent (failed) | vs round_robin: TTFT p50, p99, goodput | cores: cluster / others |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, r in report["results"].items():
         m = r.get("metrics")
         if not m:
-            lines.append(f"| {name} | {r['status']} | | | | | | | |")
+            lines.append(f"| {name} | {r['status']} | | | | | | | | |")
             continue
         vs = report["vs_round_robin"].get(name)
         vs_cell = ", ".join(f"{v:.2f}x" if v else "n/a" for v in (vs["ttft_p50_speedup"], vs["ttft_p99_speedup"], vs["goodput_ratio"])) if vs else ""
         lines.append(f"| {name} | {m['prompt_tokens_computed']} | {m['reuse']:.3f} ({fmt(m['of_reuse_bound'], 2)}; {fmt(m['of_capacity_bound'], 2)}) "
                      f"| {fmt(m['kv_bytes_moved_per_request'] / 1e6, 2)} | {fmt(m['ttft_ms']['p50'], 0)} / {fmt(m['ttft_ms']['p99'], 0)} "
-                     f"| {fmt(m['itl_ms']['p99'], 0)} | {fmt(m['goodput'], 3)} | {m['good_requests']}/{m['sent']} ({m['failed']}) | {vs_cell} |")
+                     f"| {fmt(m['itl_ms']['p99'], 0)} | {fmt(m['goodput'], 3)} | {m['good_requests']}/{m['sent']} ({m['failed']}) | {vs_cell} "
+                     f"| {cores(r.get('cpu_cores'))} |")
     a = report["acceptance"]
     lines += ["", f"Acceptance ({a.get('config', 'kv_aware+tier')}): "
               + (("met" if a["met"] else "NOT met") + " " + json.dumps(a["checks"]) if a["evaluated"] else f"not evaluated: {a['why']}"),
               "", f"![trace replay]({report['plot'] if report['plot'].startswith('/') else '../' + report['plot']})", END]
     return "\n".join(lines)
+
+
+def cores(cpu: dict[str, float] | None) -> str:
+    """The cluster's and everyone else's cores' worth of CPU during the replay ("" for runs that did not measure it)."""
+    return f"{cpu['cluster']:.2f} / {cpu['others']:.2f}" if cpu else ""

@@ -48,6 +48,7 @@ def test_trace_replay_on_a_real_cluster(tmp_path):
     assert m["kv_bytes_moved_per_request"] > 0 and m["ttft_ms"]["p50"] > 0 and m["goodput"] is not None
     assert report["trace"]["time"]["rate"] == 1 and report["trace"]["window"]["requests"] == 6
     assert run["leaked_kv_blocks"] == {"prefill0": 0, "decode0": 0, "decode1": 0}
+    assert run["cpu_cores"]["cluster"] > 0 and run["cpu_cores"]["others"] >= 0
     assert len(json.loads((tmp_path / "replay_requests.json").read_text())["round_robin"]) == 6
     assert (tmp_path / "replay.png").stat().st_size > 0
     assert json.loads((tmp_path / "history.jsonl").read_text().splitlines()[-1])["experiment"] == "trace_replay"
