@@ -150,12 +150,17 @@ class RegistrationLoop:
             await asyncio.sleep(self.interval_s)
 
     def _check_kv_send(self) -> None:
-        """A finished KV batch: forget it, raising its failure into the loop (which registers again)."""
+        """A finished KV batch: forget it; a refusal by the router is raised into the loop (which registers
+        again), any other failure is logged and the next batch is a snapshot: heartbeats never stop over it."""
         if self._kv_send is None or not self._kv_send.done():
             return
         done, self._kv_send = self._kv_send, None
-        if not done.cancelled() and done.exception() is not None:
-            raise done.exception()
+        error = None if done.cancelled() else done.exception()
+        if isinstance(error, grpc.aio.AioRpcError):
+            raise error
+        if error is not None:
+            log.error("sending KV events failed (the next batch is a snapshot): %r", error)
+            self.kv_events.snapshot_due = True
 
     def _begin_epoch(self, epoch: int) -> None:
         if self.kv_events is not None:
