@@ -146,6 +146,13 @@ class AsyncEngine:
         return await self._call(lambda: self._engine.kv_events(snapshot))
 
     @property
+    def prompt_s_per_token(self) -> float | None:
+        """What a prompt token has cost this engine so far (its prompt steps' time over their prompt tokens;
+        None before the first): a plain read of two counters, no engine-thread call."""
+        counters = self._engine.counters
+        return counters.prompt_step_seconds / counters.prompt_tokens if counters.prompt_tokens else None
+
+    @property
     def pending_kv_events(self) -> int:
         """How many events the next `kv_events` would return (a plain read; no engine-thread call)."""
         return self._engine.num_pending_kv_events

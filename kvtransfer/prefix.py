@@ -111,23 +111,22 @@ class PrefixPuller:
         computed as usual)."""
         if self.engine.tensor_parallel_size > 1 or source.num_tokens == 0 or source.num_tokens >= len(prompt):
             return 0
+        self.rates.compute_s_per_token = self.engine.prompt_s_per_token
+        if not self.rates.load_pays(self.engine.layout.block_size):  # decided before any engine call: a declined pull costs nothing
+            self.stats.skipped += 1
+            return 0
         prefix = prompt[: source.num_tokens]
         pull_id = f"{request_id}-pull-{uuid.uuid4().hex[:6]}"
         reserved = await self.engine.reserve_remote_kv(pull_id, prefix, SamplingParams(max_tokens=1))
         if reserved is None:
             self.stats.skipped += 1
             return 0
-        stats = await self.engine.stats()
-        self.rates.compute_s_per_token = stats.prompt_step_seconds / stats.prompt_tokens if stats.prompt_tokens else None
-        if not self.rates.load_pays(reserved.block_size):
-            self.stats.skipped += 1
-            await self.engine.abort(pull_id)
-            return 0
         started = time.monotonic()
         try:
             await self._transfer(pull_id, prefix, reserved, source)
         except (KVTransferError, grpc.aio.AioRpcError, TimeoutError) as exc:
             self.stats.failed += 1
+            self.rates.observe_load(time.monotonic() - started, reserved.moved_blocks)  # time spent for nothing counts too
             log.warning("request %s: pulling %d tokens from %s failed, computing them (%s)", request_id, len(prefix), source.worker_id, exc)
             await self.engine.abort(pull_id)
             return 0
