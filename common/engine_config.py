@@ -47,14 +47,17 @@ class SpeculativeConfig:
     def enabled(self) -> bool:
         return self.method != "off"
 
-    @classmethod
-    def from_value(cls, value, prefix: str) -> SpeculativeConfig:
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(prefix, f"must be a mapping, got {value!r}")
-        reject_unknown(value, cls, prefix + ".")
-        return cls(**value)
+
+
+def subsection(cls, value, prefix: str):
+    """A nested section of the engine config (`engine.speculative`, `engine.kv_tier`) as its typed object:
+    kept as is when already one, built from a mapping (unknown fields refused) otherwise."""
+    if isinstance(value, cls):
+        return value
+    if not isinstance(value, dict):
+        raise ConfigError(prefix, f"must be a mapping, got {value!r}")
+    reject_unknown(value, cls, prefix + ".")
+    return cls(**value)
 
 
 KV_TIER_KINDS = ("off", "memory", "disk")
@@ -81,14 +84,6 @@ class KVTierConfig:
     def enabled(self) -> bool:
         return self.kind != "off"
 
-    @classmethod
-    def from_value(cls, value, prefix: str) -> KVTierConfig:
-        if isinstance(value, cls):
-            return value
-        if not isinstance(value, dict):
-            raise ConfigError(prefix, f"must be a mapping, got {value!r}")
-        reject_unknown(value, cls, prefix + ".")
-        return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -129,8 +124,8 @@ class EngineConfig:
     kv_tier: KVTierConfig = field(default_factory=KVTierConfig)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "speculative", SpeculativeConfig.from_value(self.speculative, "engine.speculative"))
-        object.__setattr__(self, "kv_tier", KVTierConfig.from_value(self.kv_tier, "engine.kv_tier"))
+        object.__setattr__(self, "speculative", subsection(SpeculativeConfig, self.speculative, "engine.speculative"))
+        object.__setattr__(self, "kv_tier", subsection(KVTierConfig, self.kv_tier, "engine.kv_tier"))
         self.validate()
         if self.dtype == "auto":
             object.__setattr__(self, "dtype", auto_dtype(self.device))
