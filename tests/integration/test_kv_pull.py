@@ -11,6 +11,7 @@ import time
 import grpc
 
 from bench.cluster import LocalCluster, write_config
+from common.block_hash import chain_hashes
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from tests.integration.test_disaggregated import generate
@@ -41,8 +42,18 @@ def warm(worker, prompt: list[int]) -> None:
             pb.PrefillRequest(request_id="warm", token_ids=prompt, sampling=pb.SamplingParams(max_tokens=1)), timeout=120)
 
 
-def wait_indexed(seconds: float = 3.0) -> None:
-    time.sleep(seconds)  # a few heartbeats: the holder's KV events reach the router's index
+def wait_indexed(cluster: LocalCluster, holder, prompt: list[int], timeout: float = 30.0) -> None:
+    """Until the router's index lists every full block of `prompt` under `holder` (its KV events arrived)."""
+    wanted = set(chain_hashes(prompt, 16))
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(cluster.router.ready["internal_address"]) as channel:
+        while True:
+            reply = pb_grpc.RegistryStub(channel).KVIndex(pb.KVIndexRequest(include_hashes=True), timeout=10)
+            held = {h for w in reply.workers if w.worker_id == holder.ready["worker_id"] for h in w.block_hashes}
+            if wanted <= held:
+                return
+            assert time.monotonic() < deadline, "the holder's blocks never reached the router's index"
+            time.sleep(0.2)
 
 
 def test_a_prefill_worker_pulls_a_prefix_the_other_one_holds(tmp_path, demo_prompt_ids, hf_greedy):
@@ -52,7 +63,7 @@ def test_a_prefill_worker_pulls_a_prefix_the_other_one_holds(tmp_path, demo_prom
         _, puller = holder_and_puller(cluster)  # the next pick is the holder: warm it, then the puller gets the request
         holder = next(p for p in cluster.prefill if p is not puller)
         warm(holder, context)
-        wait_indexed()
+        wait_indexed(cluster, holder, context)
         puller_before = cluster.worker_stats(puller)
         tokens, last = generate(cluster.router.address, prompt, MAX_NEW)
         puller_after = cluster.worker_stats(puller)
@@ -71,7 +82,7 @@ def test_a_holder_that_dies_mid_pull_costs_a_recompute_not_the_request(tmp_path,
         _, puller = holder_and_puller(cluster)
         holder = next(p for p in cluster.prefill if p is not puller)
         warm(holder, context)
-        wait_indexed()
+        wait_indexed(cluster, holder, context)
         with grpc.insecure_channel(cluster.router.address) as channel:
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
             responses = pb_grpc.RouterStub(channel).Generate(request, timeout=300)
