@@ -210,7 +210,15 @@ def _kv_tier(r: dict) -> dict:
             f"computed_over_loaded_at_{longest}": {kind: rows[longest]["computed_over_loaded"] for kind, rows in r["results"].items()}}
 
 
+def _peers(r: dict) -> dict:
+    offline = {f"{row['dtype']}_{row['threads']}t": {"pdserve_tok_s": row["pdserve"]["tokens_per_s"], "vllm_tok_s": row["vllm"]["tokens_per_s"],
+                                                    "ratio": row["pdserve_over_vllm"]} for row in r.get("offline", {}).get("rows", [])}
+    serving = {f"c{x['concurrency']}": {k: x[k] for k in ("throughput", "ttft_p99", "itl_p99")} for x in r.get("serving", {}).get("ratios", [])}
+    return {"offline": offline, "serving_best": r.get("serving", {}).get("best"), "serving_over_vllm": serving}
+
+
 HEADLINES: dict[str, Callable[[dict], dict]] = {
+    "peers": _peers,
     "kv_tier": _kv_tier,
     "status_latency": _status_latency,
     "engine": _engine,

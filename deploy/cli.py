@@ -3,7 +3,7 @@
   pdserve generate PROMPT --local [-c CONFIG] [--model M] ...   run the engine in this process
   pdserve generate PROMPT --router HOST:PORT ...     send the request through a running router
   pdserve model fetch [MODEL]                        resolve/convert a model once (demo: smollm2-135m)
-  pdserve bench engine|kvtransfer|serve|trace [...]  benchmarks (see bench/, docs/benchmarks.md, docs/trace_replay.md)
+  pdserve bench engine|kvtransfer|peers|serve|trace [...]  benchmarks (see bench/, docs/benchmarks.md, docs/trace_replay.md)
   pdserve serve [-c CONFIG] [--address RAY]          router + pools as Ray actors, in the foreground
   pdserve up [-c CONFIG] [--address RAY] / down      the same, detached on a running Ray cluster
   pdserve status [--json] / scale prefill=N decode=M  talk to the running deployment (docs/deploy.md)
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     fetch.add_argument("model", nargs="?", default="smollm2-135m")
 
     bench = sub.add_parser("bench", help="benchmarks")
-    bench.add_argument("name", choices=["engine", "kvtransfer", "serve", "trace"])
+    bench.add_argument("name", choices=["engine", "kvtransfer", "peers", "serve", "trace"])
     bench.add_argument("args", nargs=argparse.REMAINDER)
 
     commands.add_commands(sub)
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         print(resolve_model_path(args.model))
         return 0
     if args.command == "bench":
-        module = {"trace": "experiments.trace_replay"}.get(args.name, args.name)
+        module = {"trace": "experiments.trace_replay", "peers": "experiments.peers"}.get(args.name, args.name)
         return importlib.import_module(f"bench.{module}").main(args.args) or 0
     return 2
 

@@ -110,6 +110,7 @@ class OpenAIBackend:
             body["priority"] = spec.priority
         if args.temperature > 0:
             body["seed"] = args.seed + spec.index
+        body.update(getattr(args, "extra_body", None) or {})  # e.g. pdserve's {"critical_path": true}
         if args.endpoint == "chat":
             url = f"{self.base_url}/chat/completions"
             body["messages"] = [{"role": "user", "content": prompt if isinstance(prompt, str) else " ".join(map(str, prompt))}]
@@ -153,6 +154,8 @@ class OpenAIBackend:
         if usage:
             rec.prompt_tokens = usage.get("prompt_tokens")
             rec.output_tokens = usage.get("completion_tokens") or 0
+        if event.get("critical_path"):
+            rec.server_timings = event["critical_path"]
         for choice in event.get("choices") or []:
             text = choice.get("text") if "text" in choice else (choice.get("delta") or {}).get("content")
             if text:
