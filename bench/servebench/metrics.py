@@ -9,6 +9,7 @@ from typing import Any
 import numpy as np
 
 from bench.servebench.records import CANCELLED, streamed, token_stats
+from common.slo import meets_slos  # one definition, shared with sim/
 
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 SLO_KEYS = {"ttft": "ttft", "tpot": "tpot", "e2el": "e2el", "e2e": "e2el"}
@@ -25,12 +26,6 @@ def summarize(values_s: list[float], percentiles=DEFAULT_PERCENTILES) -> dict[st
     for p in percentiles:
         out[f"p{p:g}"] = float(np.percentile(ms, p))
     return out
-
-
-def meets_slos(stats: dict, slos_ms: dict[str, float]) -> bool:
-    """Whether a record's token_stats meet every SLO (ms) of `slos_ms` it measures (ttft, tpot, e2el)."""
-    measured = {"ttft": stats["ttft"], "tpot": stats["tpot"] or 0.0, "e2el": stats["e2e"]}
-    return all(measured[k] * 1000.0 <= v for k, v in slos_ms.items() if k in measured)
 
 
 def compute_metrics(records: list[dict], duration_s: float, slos_ms: dict[str, float] | None = None,

@@ -8,6 +8,8 @@ The layers, bottom first (a module may import its own layer and the layers below
                                                       and where a model's files are
   1  engine                                           the model runtime (torch); engine.messages: its
                                                       outputs and stats as pdserve.v1 messages
+  1  sim (engine's sibling: neither imports the other) the cluster simulator: torch-free, common/ only;
+                                                      deploy (`pdserve plan`) and bench import it
   3  kvtransfer                                       needs engine (KVCache, KVLayout); engine never
                                                       imports kvtransfer (the KV layer sink is passed
                                                       in), so kvtransfer sits above engine
@@ -39,7 +41,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 LAYERS: list[tuple[str, ...]] = [
     ("proto", "common"),
-    ("engine",),
+    ("engine", "sim"),
     ("kvtransfer",),
     ("prefill_worker", "decode_worker"),
     ("role_worker",),
@@ -47,7 +49,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("deploy",),
     ("bench",),
 ]
-SIBLINGS = {"prefill_worker": "decode_worker", "decode_worker": "prefill_worker"}
+SIBLINGS = {"prefill_worker": "decode_worker", "decode_worker": "prefill_worker", "sim": "engine", "engine": "sim"}
 RANK = {prefix: rank for rank, names in enumerate(LAYERS) for prefix in names}
 
 

@@ -1,0 +1,103 @@
+"""The simulator's clock and the resources workers share.
+
+Lifecycle: a `Loop` owns simulated time; everything happens in callbacks it runs in time order
+(`at(t, fn, *args)`; equal times run in the order they were scheduled, so a run is deterministic).
+A `Host` is a machine whose CPU cores its workers share (a step slows by busy workers / cores when
+more workers than cores are busy; a GPU worker has its own device: no host). A `SharedLink` is one
+KV link whose concurrent transfers share its rate equally (processor sharing); a transfer also has a
+time before which it cannot end (the last layer's bytes leave after the prefill step that made them).
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+
+class Loop:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self._queue: list[tuple[float, int, Callable, tuple]] = []
+        self._order = itertools.count()
+        self.events = 0
+
+    def at(self, t: float, fn: Callable, *args: Any) -> None:
+        heapq.heappush(self._queue, (max(t, self.now), next(self._order), fn, args))
+
+    def run(self) -> None:
+        queue, pop = self._queue, heapq.heappop
+        while queue:
+            t, _, fn, args = pop(queue)
+            self.now = t
+            self.events += 1
+            fn(*args)
+
+
+class Host:
+    """CPU cores shared by the workers placed on it; `factor()` is how much slower a step runs now."""
+
+    def __init__(self, cores: float) -> None:
+        self.cores = cores
+        self.busy: set[int] = set()
+        self.workers: list = []
+
+    def factor(self) -> float:
+        return max(1.0, len(self.busy) / self.cores)
+
+    def set_busy(self, worker, busy: bool) -> None:
+        before = len(self.busy)
+        (self.busy.add if busy else self.busy.discard)(worker.index)
+        if len(self.busy) != before:
+            for other in self.workers:
+                if other is not worker:
+                    other.host_changed()
+
+
+class SharedLink:
+    """Processor sharing over `bytes_per_s`; `send(nbytes, not_before, done)` calls done() when the bytes are
+    through, no earlier than `not_before`, plus the link's latency."""
+
+    def __init__(self, loop: Loop, bytes_per_s: float, latency_s: float) -> None:
+        self.loop, self.rate, self.latency = loop, bytes_per_s, latency_s
+        self._active: dict[int, list] = {}  # id -> [remaining bytes, not_before, done]
+        self._ids = itertools.count()
+        self._last = 0.0
+        self._version = 0
+        self.bytes_moved = 0.0
+
+    def send(self, nbytes: float, not_before: float, done: Callable[[], None]) -> None:
+        self._advance()
+        self.bytes_moved += nbytes
+        self._active[next(self._ids)] = [max(nbytes, 0.0), not_before, done]
+        self._reschedule()
+
+    def share(self) -> float:
+        """The rate one more transfer would get now."""
+        return self.rate / (len(self._active) + 1)
+
+    def _advance(self) -> None:
+        now = self.loop.now
+        if self._active:
+            each = (now - self._last) * self.rate / len(self._active)
+            for job in self._active.values():
+                job[0] -= each
+        self._last = now
+
+    def _reschedule(self) -> None:
+        self._version += 1
+        if self._active:
+            least = min(job[0] for job in self._active.values())
+            self.loop.at(self.loop.now + max(least, 0.0) * len(self._active) / self.rate, self._complete, self._version)
+
+    def _complete(self, version: int) -> None:
+        if version != self._version:
+            return
+        self._advance()
+        least = min(job[0] for job in self._active.values())
+        slack = max(least, 0.0) + self.rate * 1e-9  # float error: the least one is done now, and any within a nanosecond
+        for key in [k for k, job in self._active.items() if job[0] <= slack]:
+            _, not_before, done = self._active.pop(key)
+            self.loop.at(max(self.loop.now + self.latency, not_before), done)
+        self._reschedule()
