@@ -8,6 +8,8 @@
   pdserve up [-c CONFIG] [--address RAY] / down      the same, detached on a running Ray cluster
   pdserve status [--json] / scale prefill=N decode=M  talk to the running deployment (docs/deploy.md)
   pdserve role WORKER prefill|decode --router HOST:PORT  switch a worker's role (docs/operations.md)
+  pdserve profile [--quick] [--out FILE]             measure this machine's costs for the simulator (bench/profile.py)
+  pdserve plan --profile P --trace F ... --max-gpus N  size P:D, TP and policy by simulation (docs/simulator.md)
 """
 
 from __future__ import annotations
@@ -30,8 +32,14 @@ from common.validation import ConfigError
 from deploy import commands, role
 from router.client import generate_via_router
 
+TOOLS = {"profile": "bench.profile", "plan": "sim.command"}
+"""Subcommands with their own parsers (named at run time: bench/ sits above deploy/)."""
+
 
 def main(argv: list[str] | None = None) -> int:
+    raw = sys.argv[1:] if argv is None else argv
+    if raw and raw[0] in TOOLS:
+        return importlib.import_module(TOOLS[raw[0]]).main(raw[1:]) or 0
     parser = argparse.ArgumentParser(prog="pdserve", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--log-level", default="WARNING")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -69,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_commands(sub)
     role.add_command(sub)
+    for name, text in (("profile", "measure this machine for the simulator (pdserve profile --help)"),
+                       ("plan", "size a cluster for a workload and SLOs by simulation (pdserve plan --help)")):
+        sub.add_parser(name, help=text, add_help=False).add_argument("args", nargs=argparse.REMAINDER)
 
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")

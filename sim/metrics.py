@@ -67,6 +67,8 @@ def summarize(requests: list[SimRequest], metrics: Metrics, slos_ms: dict[str, f
         "tpot_ms": percentiles_ms([r.tpot for r in done if r.tpot is not None]),
         "itl_ms": metrics.itl_ms(),
         "e2e_ms": percentiles_ms([r.e2e for r in done]),
+        "ttft_attainment": (sum(1 for r in done if r.ttft * 1000 <= slos_ms["ttft"]) / len(requests)
+                            if slos_ms and "ttft" in slos_ms and requests else None),
         "good_requests": good, "goodput": goodput(good, duration), "slos_ms": slos_ms,
         "prompt_tokens": prompt, "prompt_tokens_computed": computed, "reuse": 1 - computed / prompt if prompt else 0.0,
         "kv_bytes_moved": sum(r.kv_bytes for r in requests),

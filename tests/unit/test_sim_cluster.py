@@ -150,6 +150,6 @@ def test_the_full_trace_at_256_gpus():
 
 
 def test_sim_imports_no_torch():
-    code = "import sys, sim.cluster, sim.profile; print(','.join(m for m in ('torch', 'transformers', 'engine') if m in sys.modules) or '-')"
+    code = "import sys, sim.cluster, sim.command, sim.planner, sim.profile; print(','.join(m for m in ('torch', 'transformers', 'engine') if m in sys.modules) or '-')"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert out == "-"
