@@ -19,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from sim.adaptive import AdaptiveSettings, Controller
 from sim.core import Host, Loop, SharedLink
 from sim.metrics import Metrics, per_request, summarize
 from sim.profile import Profile
@@ -48,8 +49,8 @@ class ClusterSpec:
     max_queued_requests: int = 256
     block_tokens: int | None = None
     """Tokens per block (a trace block scaled); None: the profile's block size."""
-    adaptive: dict | None = None
-    """sim/adaptive.py settings; None: the shape stays fixed."""
+    adaptive: AdaptiveSettings | None = None
+    """The adaptive controller's settings (sim/adaptive.py); None: the shape stays fixed."""
 
     @property
     def gpus(self) -> int:
@@ -105,8 +106,6 @@ class Cluster:
         for r in requests:
             self.loop.at(r.arrival, self.arrive, r)
         if self.spec.adaptive:
-            from sim.adaptive import Controller
-
             self.controller = Controller(self, self.spec.adaptive, requests)
         self.loop.run()
         slos = next((r.slos_ms for r in requests if r.slos_ms), None)

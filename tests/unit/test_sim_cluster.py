@@ -153,3 +153,20 @@ def test_sim_imports_no_torch():
     code = "import sys, sim.cluster, sim.command, sim.planner, sim.profile; print(','.join(m for m in ('torch', 'transformers', 'engine') if m in sys.modules) or '-')"
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert out == "-"
+
+
+def test_adaptive_controller_decisions_are_events():
+    """Long prompts flood one prefill worker while two decode workers idle: the controller raises the local-prefill
+    threshold, then moves a decode worker to prefill; every request still completes and nothing leaks."""
+    from sim.adaptive import AdaptiveSettings
+
+    profile = linear_profile(prefill_token_s=2e-3)
+    requests = synthetic(300, 3.0, (300, 600), (4, 8), 16, seed=5, slos_ms={"ttft": 2000, "tpot": 100})
+    settings = AdaptiveSettings(interval_s=2.0, window_s=6.0, ttft_slo_ms=2000, itl_slo_ms=100, step=256, max=256, hold=2, cooldown_s=6)
+    result = run(ClusterSpec(prefill=1, decode=3, adaptive=settings), profile, requests)
+    lanes = [(d["lane"], d["action"]) for d in result.decisions]
+    assert ("threshold", "up") in lanes and ("split", "to_prefill") in lanes
+    assert result.summary["completed"] == 300
+    fixed = run(ClusterSpec(prefill=1, decode=3), profile, synthetic(300, 3.0, (300, 600), (4, 8), 16, seed=5,
+                                                                      slos_ms={"ttft": 2000, "tpot": 100}))
+    assert result.summary["goodput"] > fixed.summary["goodput"]

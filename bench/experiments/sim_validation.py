@@ -1,0 +1,250 @@
+"""Experiment: the cluster simulator against real runs on this machine (issue #47, item 3).
+
+    python -m bench.experiments.sim_validation [--quick] [--from-results] [--profile P] [--docs]
+
+Two workloads, each run for real and simulated with the profile measured here (sim/profiles/, `pdserve
+profile`; its numbers come from the engine alone, nothing is fitted to these runs):
+  trace     the scaled Mooncake conversation trace through bench/experiments/trace_replay.py (real
+            router, 1 prefill + 2 decode workers): round_robin and kv_aware
+  adaptive  the shifting trace of bench/experiments/adaptive_trace.py (the real Ray deployment):
+            colocated (0P+2D), 1p1d, 1p2d
+The simulated cluster is the real one's shape and settings (workers, policy, token budget, max_num_seqs,
+KV blocks per worker, tier, two cores shared by every worker, the tcp link), fed the very requests the
+real run sent (arrival offsets, prompt and answer lengths; for the trace, the prompt's hash ids, so the
+caches see the same reuse). Compared: TTFT p50/p99, ITL p50/p99 (every gap between streamed tokens) and
+goodput (common/slo.py; the runs' own SLOs, per request for the adaptive trace), as relative errors
+(simulated / measured - 1), against the issue's bounds: 15 % on p50s and goodput, 25 % on p99s. Also the
+simulator's pick among the adaptive trace's three shapes (highest goodput) against the real runs' pick.
+
+--from-results compares with the runs already in bench/results (their commit and load are in their files:
+the comparison is only as good as those runs); --quick runs both experiments small (adaptive --quick,
+trace 24 requests) and writes bench/results/quick/sim_validation.json; without either, the experiments run at
+their defaults (about 35-40 minutes on a quiet 2-core machine: trace replay of two configurations ~12 min,
+three adaptive deployments ~4.5 min of trace each plus start-up) and the table goes to
+bench/results/sim_validation.json (and docs/simulator.md with --docs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.experiments import common
+from bench.servebench.metrics import compute_metrics
+from common.mooncake import Scale, load_trace, select_window
+from sim.cluster import ClusterSpec, simulate
+from sim.profile import load_profile
+from sim.workload import SimRequest, chain_keys
+
+NAME = "sim_validation"
+DEFAULT_PROFILE = "cpu_epyc_avx2_smollm2_fp32"
+TRACE_CONFIGS = ("round_robin", "kv_aware")
+ADAPTIVE_CONFIGS = {"colocated": (0, 2), "1p1d": (1, 1), "1p2d": (1, 2)}
+BOUNDS = {"ttft_p50": 0.15, "itl_p50": 0.15, "goodput": 0.15, "ttft_p99": 0.25, "itl_p99": 0.25}
+CORES = 2
+MAX_NUM_SEQS = 64  # bench/cluster.py bench_config's engine
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.sim_validation", description=__doc__.splitlines()[0])
+    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--from-results", action="store_true", help="compare with the runs already in bench/results (no real run)")
+    p.add_argument("--workloads", nargs="+", choices=["trace", "adaptive"], default=["trace", "adaptive"])
+    p.add_argument("--docs", action="store_true", help="rewrite the generated block of docs/simulator.md")
+    return p.parse_args(argv)
+
+
+# ---- real runs ---------------------------------------------------------------------------------
+def run_real(args: argparse.Namespace, results: Path) -> None:
+    from bench.experiments import adaptive_trace, trace_replay
+
+    if "trace" in args.workloads:
+        extra = ["--requests", "24"] if args.quick else []
+        trace_replay.main(["--configs", *TRACE_CONFIGS, *extra, "--out", str(results / "sim_validation_trace.json")])
+    if "adaptive" in args.workloads:
+        adaptive_trace.main(["--configs", *ADAPTIVE_CONFIGS, *(["--quick"] if args.quick else [])])
+
+
+def real_metrics(records: list[dict], slos: dict[str, float]) -> dict[str, Any]:
+    sent = [r for r in records if r.get("sent", True)]
+    duration = max(r["end_s"] for r in sent) - min(r["start_s"] for r in sent)
+    m = compute_metrics(sent, duration, slos)
+    return {"ttft_p50": m["ttft_ms"]["p50"], "ttft_p99": m["ttft_ms"]["p99"], "itl_p50": m["itl_ms"]["p50"], "itl_p99": m["itl_ms"]["p99"],
+            "goodput": m["goodput"], "completed": m["completed"], "requests": len(sent)}
+
+
+def sim_metrics(summary: dict[str, Any]) -> dict[str, Any]:
+    return {"ttft_p50": summary["ttft_ms"]["p50"], "ttft_p99": summary["ttft_ms"]["p99"], "itl_p50": summary["itl_ms"]["p50"],
+            "itl_p99": summary["itl_ms"]["p99"], "goodput": summary["goodput"], "completed": summary["completed"],
+            "requests": summary["requests"]}
+
+
+# ---- cases: (name, spec, requests, real records, slos) -------------------------------------------
+def trace_cases(path: Path, requests_path: Path) -> list[dict[str, Any]]:
+    run = json.loads(path.read_text())
+    raw = json.loads(requests_path.read_text())
+    params, window = run["params"], run["trace"]["window"]
+    trace = select_window(load_trace(run["trace"]["path"]), window["start_s"], window["end_s"], window["requests"], window["seed"])
+    scale = Scale(params["tokens_per_block"], params["output_scale"], max_output=params["max_output"])
+    slos = {"ttft": params["slo_ttft"], "tpot": params["slo_tpot"]}
+    cases = []
+    for name in TRACE_CONFIGS:
+        result = run["results"].get(name, {})
+        if result.get("status") != "ran" or name not in raw:
+            continue
+        records = raw[name]
+        reqs = []
+        for rec in records:
+            t = trace[rec["index"]]
+            if scale.prompt_len(t) != rec["prompt_len"]:
+                raise ValueError(f"{requests_path}: request {rec['index']} is not the window's (prompt {rec['prompt_len']} tokens, "
+                                 f"window {scale.prompt_len(t)})")
+            reqs.append((rec["scheduled_s"], rec["prompt_len"], rec["max_tokens"], chain_keys(t.hash_ids, rec["prompt_len"] // 16)))
+        spec = ClusterSpec(prefill=params["prefill"], decode=params["decode"], policy=name, max_num_batched_tokens=params["budget"],
+                           max_num_seqs=MAX_NUM_SEQS, kv_blocks=run["cluster"]["kv_blocks_per_worker"], cores=CORES,
+                           transport=params["transport"], block_tokens=params["tokens_per_block"], max_queued_requests=512)
+        cases.append({"workload": "trace", "config": name, "spec": spec, "requests": reqs, "records": records, "slos": slos,
+                      "real_commit": run["machine"].get("git_commit"), "real_loadavg": result.get("loadavg"), "machine": run["machine"],
+                      "dtype": run["cluster"]["base_config"]["engine"].get("dtype")})
+    return cases
+
+
+def adaptive_cases(results: Path) -> list[dict[str, Any]]:
+    cases = []
+    for name, (p, d) in ADAPTIVE_CONFIGS.items():
+        path = results / f"adaptive_trace_{name}.json"
+        if not path.exists():
+            continue
+        run = json.loads(path.read_text())
+        engine = run["deploy_config"]["engine"]
+        blocks = engine["kv_cache_memory_mb"] * (1 << 20) // (46080 * 16)
+        spec = ClusterSpec(prefill=p, decode=d, policy=run["deploy_config"]["router"].get("policy", "round_robin"),
+                           max_num_batched_tokens=engine["max_num_batched_tokens"], max_num_seqs=engine.get("max_num_seqs", MAX_NUM_SEQS),
+                           kv_blocks=blocks, cores=CORES, transport=run["deploy_config"]["kv_transfer"]["transport"], block_tokens=16,
+                           max_queued_requests=run["deploy_config"]["router"].get("max_queued_requests", 512))
+        records = run["requests"]
+        reqs = [(r["scheduled_s"], r["prompt_len"], r["max_tokens"], None, r.get("slos_ms")) for r in records]
+        cases.append({"workload": "adaptive", "config": name, "spec": spec, "requests": reqs, "records": records,
+                      "slos": {"ttft": run["slos_ms"]["ttft"], "tpot": run["slos_ms"]["tpot"]},
+                      "real_commit": run["machine"].get("git_commit"), "real_loadavg": run.get("loadavg"), "trace_id": run["trace"]["id"],
+                      "machine": run["machine"], "dtype": engine.get("dtype")})
+    ids = {c["trace_id"] for c in cases}
+    if len(ids) > 1:
+        raise ValueError(f"the adaptive runs in {results} are of different traces ({sorted(ids)}): rerun them together")
+    return cases
+
+
+def sim_requests(case: dict[str, Any]) -> list[SimRequest]:
+    out = []
+    for i, row in enumerate(case["requests"]):
+        arrival, prompt, output, keys = row[:4]
+        slos = row[4] if len(row) > 4 and row[4] else case["slos"]
+        keys = keys if keys is not None else tuple(hash((7, (1 << 41) + i, b)) for b in range(prompt // 16))
+        out.append(SimRequest(i, arrival, prompt, output, keys, slos))
+    return out
+
+
+# ---- comparison --------------------------------------------------------------------------------
+def comparable(machine: dict[str, Any], dtype: str, profile) -> str | None:
+    """Why a run cannot be judged by this profile (another CPU kind or dtype), or None."""
+    mine = profile.machine
+    if sorted(machine.get("cpu_features") or []) != sorted(mine.get("cpu_features") or []) or machine.get("cpu") != mine.get("cpu"):
+        return f"the run's CPU ({machine.get('cpu')}, {machine.get('cpu_features')}) is not the profile's ({mine.get('cpu')}, {mine.get('cpu_features')})"
+    resolved = machine.get("cpu_auto_dtype") if dtype in (None, "auto") else dtype
+    if resolved != profile.dtype:
+        return f"the run's dtype ({resolved}) is not the profile's ({profile.dtype})"
+    return None
+
+
+def compare(case: dict[str, Any], profile) -> dict[str, Any]:
+    real = real_metrics(case["records"], case["slos"])
+    result = simulate(case["spec"], profile, sim_requests(case))
+    simulated = sim_metrics(result.summary)
+    errors = {k: (simulated[k] / real[k] - 1 if real[k] and simulated[k] is not None else None) for k in BOUNDS}
+    within = {k: (e is not None and abs(e) <= BOUNDS[k]) for k, e in errors.items()}
+    return {"workload": case["workload"], "config": case["config"], "shape": case["spec"].name(), "policy": case["spec"].policy,
+            "real": real, "sim": simulated, "errors": errors, "within": within, "all_within": all(within.values()),
+            "real_commit": case["real_commit"], "real_loadavg": case["real_loadavg"], "sim_wall_s": round(result.wall_s, 3),
+            "not_comparable": comparable(case["machine"], case["dtype"], profile)}
+
+
+def picks(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    adaptive = [r for r in rows if r["workload"] == "adaptive"]
+    if len(adaptive) < 2:
+        return None
+    adaptive = [r for r in adaptive if not r["not_comparable"]]
+    if len(adaptive) < 2:
+        return None
+    real = max(adaptive, key=lambda r: r["real"]["goodput"])["config"]
+    sim = max(adaptive, key=lambda r: r["sim"]["goodput"])["config"]
+    return {"real_best": real, "sim_best": sim, "same": real == sim,
+            "goodput": {r["config"]: {"real": r["real"]["goodput"], "sim": r["sim"]["goodput"]} for r in adaptive}}
+
+
+def markdown(report: dict[str, Any]) -> str:
+    def pct(e):
+        return "-" if e is None else f"{e:+.0%}"
+
+    lines = [f"Profile: `{report['profile']}`; real runs: {report['source']}.", "",
+             "| workload | config | TTFT p50 real / sim (err) | TTFT p99 | ITL p50 | ITL p99 | goodput real / sim (err) | within bounds |",
+             "|---|---|---:|---:|---:|---:|---:|---|"]
+    for r in report["rows"]:
+        cells = []
+        for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
+            real, sim = r["real"][k], r["sim"][k]
+            cells.append(f"{real:.0f} / {sim:.0f} ({pct(r['errors'][k])})" if real is not None and sim is not None else "-")
+        g = f"{r['real']['goodput']:.3f} / {r['sim']['goodput']:.3f} ({pct(r['errors']['goodput'])})"
+        ok = "yes" if r["all_within"] else "no: " + ", ".join(k for k, v in r["within"].items() if not v)
+        if r["not_comparable"]:
+            ok = f"not comparable: {r['not_comparable']}"
+        lines.append(f"| {r['workload']} | {r['config']} | {' | '.join(cells)} | {g} | {ok} |")
+    if report.get("picks"):
+        p = report["picks"]
+        lines += ["", f"Best of the adaptive trace's three shapes by goodput: real {p['real_best']}, simulated {p['sim_best']} "
+                      f"({'the same' if p['same'] else 'different'})."]
+    return "\n".join(lines)
+
+
+def write_doc(text: str) -> None:
+    path = common.REPO / "docs" / "simulator.md"
+    doc = path.read_text()
+    begin, end = "<!-- BEGIN sim_validation -->", "<!-- END sim_validation -->"
+    head, _, rest = doc.partition(begin)
+    _, _, tail = rest.partition(end)
+    path.write_text(f"{head}{begin}\n{text}\n{end}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    profile = load_profile(args.profile)
+    results = common.RESULTS / "quick" if args.quick else common.RESULTS
+    if not args.from_results:
+        run_real(args, results)
+    cases = []
+    if "trace" in args.workloads:
+        trace_json = results / ("trace_replay.json" if args.from_results else "sim_validation_trace.json")
+        if trace_json.exists():
+            cases += trace_cases(trace_json, trace_json.with_name(trace_json.stem + "_requests.json"))
+    if "adaptive" in args.workloads:
+        cases += adaptive_cases(results)
+    rows = [compare(c, profile) for c in cases]
+    report = {"experiment": NAME, "command": common.command_line(), "profile": profile.path, "bounds": BOUNDS,
+              "source": "the runs already in bench/results (--from-results)" if args.from_results else "run by this command",
+              "rows": rows, "picks": picks(rows), "all_within": all(r["all_within"] for r in rows if not r["not_comparable"]) if rows else False}
+    report["markdown"] = markdown(report)
+    out = results / f"{NAME}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    print(report["markdown"])
+    print(f"\n{out}", file=sys.stderr)
+    if args.docs and not args.quick:
+        write_doc(report["markdown"])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
