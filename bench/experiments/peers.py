@@ -35,6 +35,7 @@ from common.model_files import resolve_model_path
 
 DTYPE_ALIASES = {"fp32": "float32", "bf16": "bfloat16", "float32": "float32", "bfloat16": "bfloat16"}
 DOCS = common.REPO / "docs"
+TARGETS = ("vllm", "vllm_all_cores", "colocated", "1p1d")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -46,7 +47,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--concurrency", type=int, nargs="+", default=None, help=f"serving levels (default: {' '.join(map(str, LEVELS))})")
     p.add_argument("--requests", type=int, default=None, help="serving requests per level (default 64; --quick 8)")
     p.add_argument("--serving-dtype", type=dtypes, default=None, help=f"serving dtype (default: engine.dtype auto here, {auto_dtype('cpu')})")
-    p.add_argument("--targets", nargs="+", choices=["vllm", "colocated", "1p1d"], default=["vllm", "colocated", "1p1d"])
+    p.add_argument("--targets", nargs="+", choices=TARGETS, default=list(TARGETS), help="serving targets (default: all)")
     p.add_argument("--docs-only", action="store_true", help="render the docs from bench/results/peers.json and stop")
     a = p.parse_args(argv)
     if a.concurrency and any(c < 1 for c in a.concurrency):
@@ -90,12 +91,13 @@ def run_offline_half(a: argparse.Namespace, peer: PeerEnv, model_dir: str, workd
 def run_serving_half(a: argparse.Namespace, peer: PeerEnv, model_dir: str, workdir: Path) -> dict[str, Any]:
     load = serving_load(a)
     makers = {"vllm": lambda: VllmServer(peer, model_dir, load, workdir / "vllm"),
+              "vllm_all_cores": lambda: VllmServer(peer, model_dir, load, workdir / "vllm_all_cores", bind="all"),
               "colocated": lambda: PdserveCluster("colocated", 0, load, workdir / "colocated"),
               "1p1d": lambda: PdserveCluster("1p1d", 1, load, workdir / "1p1d")}
     targets = [run_target(makers[name](), load) for name in a.targets]
-    best = peers_report.best_pdserve(targets)
+    best, peer_best = peers_report.best_of(targets, "pdserve"), peers_report.best_of(targets, "vllm")
     return {"load": {k: getattr(load, k) for k in ("requests", "prompt_len", "output_len", "levels", "dtype", "threads")},
-            "targets": targets, "best": best, "ratios": peers_report.serving_ratios(targets, best)}
+            "targets": targets, "best": best, "peer_best": peer_best, "ratios": peers_report.serving_ratios(targets, best, peer_best)}
 
 
 def write_docs(report: dict[str, Any]) -> None:
@@ -124,6 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     report["workdir"] = str(workdir)
     if a.only in (None, "offline"):
         report["offline"] = run_offline_half(a, peer, model_dir, workdir)
+        common.save("peers", report, history=False)  # the half that is done survives a failure in the other
     if a.only in (None, "serving"):
         report["serving"] = run_serving_half(a, peer, model_dir, workdir)
     report["verdict"] = peers_report.verdict(report)

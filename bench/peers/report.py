@@ -32,22 +32,22 @@ def geomean(values: list[float]) -> float:
     return math.exp(sum(math.log(v) for v in values) / len(values)) if values and all(v > 0 for v in values) else 0.0
 
 
-def best_pdserve(targets: list[dict[str, Any]]) -> str | None:
-    """The pdserve configuration with the best throughput overall: the highest geometric mean over the
-    concurrency levels of output tokens/s (every level weighs the same, whatever its scale)."""
-    ours = [t for t in targets if t["kind"] == "pdserve"]
-    if not ours:
+def best_of(targets: list[dict[str, Any]], kind: str = "pdserve") -> str | None:
+    """The configuration of `kind` (pdserve, vllm) with the best throughput overall: the highest geometric mean over
+    the concurrency levels of output tokens/s (every level weighs the same, whatever its scale)."""
+    mine = [t for t in targets if t["kind"] == kind]
+    if not mine:
         return None
-    return max(ours, key=lambda t: geomean([lv["output_throughput"] for lv in t["levels"]]))["target"]
+    return max(mine, key=lambda t: geomean([lv["output_throughput"] for lv in t["levels"]]))["target"]
 
 
-def serving_ratios(targets: list[dict[str, Any]], best: str | None) -> list[dict[str, Any]]:
-    """Per concurrency: pdserve best / vLLM throughput (higher is better), and its p99 TTFT and ITL / vLLM's (lower is
-    better); `met` = issue #46's serving criterion at that level (throughput >= 1, both p99 ratios <= 1)."""
+def serving_ratios(targets: list[dict[str, Any]], best: str | None, peer_best: str | None) -> list[dict[str, Any]]:
+    """Per concurrency: pdserve best / vLLM best throughput (higher is better), and its p99 TTFT and ITL / vLLM's
+    (lower is better); `met` = issue #46's serving criterion at that level (throughput >= 1, both p99 ratios <= 1)."""
     by_name = {t["target"]: t for t in targets}
-    if best is None or "vllm" not in by_name:
+    if best is None or peer_best is None:
         return []
-    peer = {lv["concurrency"]: lv for lv in by_name["vllm"]["levels"]}
+    peer = {lv["concurrency"]: lv for lv in by_name[peer_best]["levels"]}
     out = []
     for lv in by_name[best]["levels"]:
         v = peer.get(lv["concurrency"])
@@ -100,13 +100,13 @@ def serving_table(report: dict[str, Any]) -> list[str]:
     lines = ["| target | concurrency | req/s | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms) | failed |",
              "|---|---:|---:|---:|---:|---:|---:|"]
     for t in s["targets"]:
-        name = t["target"] + (" (best)" if t["target"] == s.get("best") else "")
+        name = t["target"] + (" (best)" if t["target"] in (s.get("best"), s.get("peer_best")) else "")
         for lv in t["levels"]:
             lines.append(f"| {name} | {lv['concurrency']} | {fmt(lv['request_throughput'], 2)} | {fmt(lv['output_throughput'])} | "
                          f"{fmt(lv['ttft_ms']['median'], 0)} / {fmt(lv['ttft_ms']['p99'], 0)} | "
                          f"{fmt(lv['itl_ms']['median'], 1)} / {fmt(lv['itl_ms']['p99'], 1)} | {lv['failed']} |")
     if s.get("ratios"):
-        lines += ["", f"{s['best']} / vLLM (throughput: higher is better; p99s: lower is better):", "",
+        lines += ["", f"{s['best']} / {s['peer_best']} (throughput: higher is better; p99s: lower is better):", "",
                   "| concurrency | throughput | TTFT p99 | ITL p99 | criterion met |", "|---:|---:|---:|---:|---|"]
         for r in s["ratios"]:
             lines.append(f"| {r['concurrency']} | {fmt(r['throughput'], 2, 'x')} | {fmt(r['ttft_p99'], 2, 'x')} | "
@@ -154,10 +154,12 @@ def page(report: dict[str, Any]) -> str:
         lines += ["## Serving", "", f"pdserve's load generator (bench.servebench, OpenAI backend, streaming `/v1/completions`, token-id "
                   f"prompts): at each concurrency {s['load']['requests']} requests of {s['load']['prompt_len']} prompt / "
                   f"{s['load']['output_len']} output tokens (ignore_eos, greedy, {s['load']['dtype']}), all sent at once with at most "
-                  "that many in flight; the same prompts for every target. Targets: vLLM's OpenAI server with every thread; "
-                  "pdserve colocated (one decode worker that prefills locally, every thread); pdserve 1P+1D (a prefill and a "
-                  f"decode worker, a core and a thread each, KV over tcp). \"best\" = the pdserve configuration with the highest "
-                  f"geometric mean of output tok/s over the levels: **{s.get('best')}**.", "", *serving_table(report),
+                  "that many in flight; the same prompts for every target. Targets: vLLM's OpenAI server with its own "
+                  "automatic thread binding (`vllm`: on x86 it keeps a core for its scheduler and API processes) and bound to "
+                  "every core (`vllm_all_cores`); pdserve colocated (one decode worker that prefills locally, every thread); "
+                  "pdserve 1P+1D (a prefill and a decode worker, a core and a thread each, KV over tcp). \"best\" = the "
+                  "configuration of each with the highest geometric mean of output tok/s over the levels: pdserve "
+                  f"**{s.get('best')}**, vLLM **{s.get('peer_best')}**.", "", *serving_table(report),
                   *critical_path_table(report), ""]
     verdict_ = report.get("verdict") or {}
     lines += ["## Issue #46's acceptance in this run", "",

@@ -78,16 +78,18 @@ def free_port() -> int:
 
 
 class VllmServer:
-    """vLLM's OpenAI server from the peer venv, bound to 127.0.0.1, its OpenMP threads bound to cores 0..threads-1."""
+    """vLLM's OpenAI server from the peer venv on 127.0.0.1. `bind="auto"` is vLLM's own default: on x86 it keeps
+    one core for its scheduler and API processes and binds OpenMP threads to the rest (1 of 2 cores here);
+    `bind="all"` binds them to every core (0..threads-1), what the offline runs at all threads use."""
 
-    def __init__(self, peer: PeerEnv, model_dir: str, load: Load, log_dir: Path):
-        self.peer, self.model_dir, self.load, self.log_dir = peer, model_dir, load, log_dir
-        self.name, self.port = "vllm", free_port()
+    def __init__(self, peer: PeerEnv, model_dir: str, load: Load, log_dir: Path, bind: str = "auto"):
+        self.peer, self.model_dir, self.load, self.log_dir, self.bind = peer, model_dir, load, log_dir, bind
+        self.name, self.port = "vllm" if bind == "auto" else "vllm_all_cores", free_port()
         self.argv = [str(peer.python), "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--served-model-name", MODEL_NAME,
                      "--dtype", load.dtype, "--host", "127.0.0.1", "--port", str(self.port), "--max-model-len", "1024", "--seed", "0"]
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, **vllm_env(self.peer, self.load.threads)}
+        return {**os.environ, **vllm_env(self.peer, self.load.threads if self.bind == "all" else None)}
 
     @contextmanager
     def serve(self) -> Iterator[str]:
@@ -103,13 +105,14 @@ class VllmServer:
 
     def describe(self) -> dict[str, Any]:
         return {"server": "vllm.entrypoints.openai.api_server", "argv": self.argv[1:],
-                "env": {k: v for k, v in vllm_env(self.peer, self.load.threads).items() if k != "HF_HUB_OFFLINE"}}
+                "env": {k: v for k, v in self.env().items() if k.startswith("VLLM_") or k == "LD_PRELOAD"}}
 
 
-def vllm_env(peer: PeerEnv, threads: int) -> dict[str, str]:
-    """vLLM's CPU settings (its docs' environment variables): OpenMP threads bound to cores 0..threads-1, a fixed
-    KV space, tcmalloc and Intel OpenMP preloaded, no hub access."""
-    return {"VLLM_CPU_OMP_THREADS_BIND": "0" if threads == 1 else f"0-{threads - 1}", "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB),
+def vllm_env(peer: PeerEnv, threads: int | None) -> dict[str, str]:
+    """vLLM's CPU settings (its docs' environment variables): OpenMP threads bound to cores 0..threads-1 (None:
+    vLLM's automatic binding), a fixed KV space, tcmalloc and Intel OpenMP preloaded, no hub access."""
+    bind = "auto" if threads is None else "0" if threads == 1 else f"0-{threads - 1}"
+    return {"VLLM_CPU_OMP_THREADS_BIND": bind, "VLLM_CPU_KVCACHE_SPACE": str(KV_SPACE_GIB),
             "LD_PRELOAD": peer.preload(), "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
 

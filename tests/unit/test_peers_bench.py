@@ -118,6 +118,7 @@ def test_vllm_is_bound_to_the_first_cores_and_gets_its_preloads(tmp_path):
     (tmp_path / "lib" / "libiomp5.so").write_text("")
     peer = PeerEnv(tmp_path)
     assert vllm_env(peer, 1)["VLLM_CPU_OMP_THREADS_BIND"] == "0"
+    assert vllm_env(peer, None)["VLLM_CPU_OMP_THREADS_BIND"] == "auto"  # vLLM's own binding (the default serving target)
     env = vllm_env(peer, 4)
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "0-3" and env["HF_HUB_OFFLINE"] == "1"
     assert env["LD_PRELOAD"].endswith(str(tmp_path / "lib" / "libiomp5.so"))
@@ -176,10 +177,13 @@ TARGETS = [
 ]
 
 
-def test_best_is_the_pdserve_configuration_with_the_best_throughput_over_all_levels():
-    assert report.best_pdserve(TARGETS) == "1p1d"
-    assert report.best_pdserve(TARGETS[:1]) is None
-    ratios = report.serving_ratios(TARGETS, "1p1d")
+def test_best_is_the_configuration_with_the_best_throughput_over_all_levels():
+    assert report.best_of(TARGETS, "pdserve") == "1p1d"
+    assert report.best_of(TARGETS[:1], "pdserve") is None
+    bound = {"target": "vllm_all_cores", "kind": "vllm", "levels": [_level(1, 20, 400, 60), _level(16, 250, 2000, 90)]}
+    assert report.best_of([*TARGETS, bound], "vllm") == "vllm"  # geometric mean 77.5 against 70.7
+    assert report.serving_ratios(TARGETS, "1p1d", None) == []
+    ratios = report.serving_ratios(TARGETS, "1p1d", "vllm")
     assert [r["concurrency"] for r in ratios] == [1, 16]
     assert ratios[0] == {"concurrency": 1, "throughput": 1.1, "ttft_p99": round(280 / 300, 3), "itl_p99": 0.875, "met": True}
     assert ratios[1]["throughput"] == 1.1 and ratios[1]["ttft_p99"] == round(3500 / 3000, 3) and not ratios[1]["met"]
@@ -205,7 +209,7 @@ def _report(quick: bool = False) -> dict:
            "offline": {"workload": {"num_requests": 64, "total_prompt_tokens": 19468, "total_output_tokens": 9170, "seed": 0},
                        "rows": OFFLINE, "scaling": report.scaling(OFFLINE)},
            "serving": {"load": {"requests": 64, "prompt_len": 256, "output_len": 128, "dtype": "float32"}, "targets": TARGETS,
-                       "best": "1p1d", "ratios": report.serving_ratios(TARGETS, "1p1d")}}
+                       "best": "1p1d", "peer_best": "vllm", "ratios": report.serving_ratios(TARGETS, "1p1d", "vllm")}}
     rep["verdict"] = report.verdict(rep)
     return rep
 
@@ -221,7 +225,8 @@ def test_the_docs_page_and_row_are_rendered_from_the_json(tmp_path):
     assert "| float32 | 2 | 200.0 | 160.0 | **1.25x** | 100% |" in text
     assert "float32 at 2 threads: pdserve 1.54x, vLLM 1.60x" in text
     assert "| 1p1d (best) | 16 | 1.72 | 220.0 | 1,750 / 3,500 | 30.0 / 60.0 | 0 |" in text
-    assert "| 16 | 1.10x | 1.17x | 0.60x | no |" in text
+    assert "| 16 | 1.10x | 1.17x | 0.60x | no |" in text and "1p1d / vllm (throughput" in text
+    assert "| vllm (best) | 16 |" in text and "| colocated | 16 |" in text
     assert "--quick" not in text and "not met" in text
     assert "`--quick` smoke run" in report.page(_report(quick=True))
     doc = tmp_path / "benchmarks.md"
