@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from typing import Any
 
+from bench import history
 from bench.experiments import common
 from common.mooncake import Scale, load_trace
 from sim.cluster import ClusterSpec, simulate
@@ -79,7 +81,7 @@ def plans(trace, profile, args: argparse.Namespace) -> list[dict[str, Any]]:
 def markdown(out: dict[str, Any]) -> str:
     lines = [f"Profile `{out['profile']}` (an estimate), trace {out['requests']} requests, SLOs TTFT <= {SLOS['ttft']:g} ms and "
              f"TPOT <= {SLOS['tpot']:g} ms for 90 % of requests, TP {out['tp']} per pool, policies {', '.join(out['policies'])}, "
-             f"at most {out['max_gpus']} GPUs. Machine: {out['machine']}.", "",
+             f"at most {out['max_gpus']} GPUs. Simulated on {history.machine_name(out['machine'])}, commit {out['machine']['git_commit']}.", "",
              "Speed (the full trace, real times and lengths):", "",
              "| shape | GPUs | wall s | events | TTFT p50 / p99 ms | TPOT p50 / p99 ms | reuse |", "|---|---:|---:|---:|---:|---:|---:|"]
     for r in out["speed"]:
@@ -114,17 +116,15 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     profile = load_profile(args.profile)
     trace = load_trace(args.trace)
-    from bench.history import git_commit
     from common.hardware import cpu_info
 
-    machine = f"{cpu_info().record()['cpu']}, {__import__('os').cpu_count()} cores, commit {git_commit()}"
+    machine = {**cpu_info().record(), "cpus": os.cpu_count(), "git_commit": history.git_commit(), "started_unix": int(time.time())}
     out = {"experiment": NAME, "command": common.command_line(), "profile": profile.path.rpartition("/")[2], "requests": len(trace),
            "tp": args.tp, "policies": args.policies, "max_gpus": args.max_gpus, "machine": machine}
     out["speed"] = speed(trace, profile)
     out["plans"] = plans(trace, profile, args)
     out["markdown"] = markdown(out)
-    path = common.RESULTS / f"{NAME}.json"
-    path.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    history.record(common.RESULTS / f"{NAME}.json", json.loads(json.dumps(out, default=str)))
     print(out["markdown"])
     if args.docs:
         write_doc(out["markdown"])

@@ -29,9 +29,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
+from bench import history
 from bench.experiments import common
 from bench.servebench.metrics import compute_metrics
 from common.mooncake import Scale, load_trace, select_window
@@ -181,7 +183,8 @@ def picks(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     real = max(adaptive, key=lambda r: r["real"]["goodput"])["config"]
     sim = max(adaptive, key=lambda r: r["sim"]["goodput"])["config"]
-    return {"real_best": real, "sim_best": sim, "same": real == sim,
+    ties = [r["config"] for r in adaptive if r["real"]["goodput"] == max(x["real"]["goodput"] for x in adaptive)]
+    return {"real_best": real, "sim_best": sim, "same": real == sim, "real_ties": ties if len(ties) > 1 else [],
             "goodput": {r["config"]: {"real": r["real"]["goodput"], "sim": r["sim"]["goodput"]} for r in adaptive}}
 
 
@@ -205,7 +208,8 @@ def markdown(report: dict[str, Any]) -> str:
     if report.get("picks"):
         p = report["picks"]
         lines += ["", f"Best of the adaptive trace's three shapes by goodput: real {p['real_best']}, simulated {p['sim_best']} "
-                      f"({'the same' if p['same'] else 'different'})."]
+                      f"({'the same' if p['same'] else 'different'})"
+                      + (f"; the real runs tie ({', '.join(p['real_ties'])}): no pick to match." if p.get("real_ties") else ".")]
     return "\n".join(lines)
 
 
@@ -220,6 +224,7 @@ def write_doc(text: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    started = time.time()
     profile = load_profile(args.profile)
     results = common.RESULTS / "quick" if args.quick else common.RESULTS
     if not args.from_results:
@@ -232,13 +237,12 @@ def main(argv: list[str] | None = None) -> int:
     if "adaptive" in args.workloads:
         cases += adaptive_cases(results)
     rows = [compare(c, profile) for c in cases]
-    report = {"experiment": NAME, "command": common.command_line(), "profile": profile.path, "bounds": BOUNDS,
+    report = {"experiment": NAME, "command": common.command_line(), "machine": common.finish(common.machine(), started),
+              "profile": Path(profile.path).name, "bounds": BOUNDS,
               "source": "the runs already in bench/results (--from-results)" if args.from_results else "run by this command",
               "rows": rows, "picks": picks(rows), "all_within": all(r["all_within"] for r in rows if not r["not_comparable"]) if rows else False}
     report["markdown"] = markdown(report)
-    out = results / f"{NAME}.json"
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1, default=str) + "\n")
+    out = history.record(results / f"{NAME}.json", json.loads(json.dumps(report, default=str)))
     print(report["markdown"])
     print(f"\n{out}", file=sys.stderr)
     if args.docs and not args.quick:
