@@ -142,13 +142,10 @@ class Planner:
         generous = max(1, (budget // 2) // tp_d)
 
         def ttft_ok(p: int) -> bool:
-            d = min(generous, (budget - p * tp_p) // tp_d)
-            if d < 1:
-                return False
-            s = self.evaluate(self._spec(policy, p, tp_p, d, tp_d)).summary
+            s = self.evaluate(self._spec(policy, p, tp_p, generous, tp_d)).summary
             return s["ttft_ms"]["p50"] is not None and _share_within(s, self.goal) and not s["rejected"]
 
-        p = self._smallest(1, max(0, (budget - tp_d) // tp_p), ttft_ok)
+        p = self._smallest(1, max(0, (budget - generous * tp_d) // tp_p), ttft_ok)  # the largest P that leaves the generous decode pool
         while p is not None and p * tp_p + tp_d <= budget:
             d = self._smallest(1, (budget - p * tp_p) // tp_d, lambda d, p=p: self.evaluate(self._spec(policy, p, tp_p, d, tp_d)).meets)
             if d is not None:

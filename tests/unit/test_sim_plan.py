@@ -89,6 +89,7 @@ def test_the_large_search_matches_the_exhaustive_one():
     exhaustive = Planner(profile, _workload, Goal({"ttft": 500, "tpot": 50}), limits).search()
     searched = Planner(profile, _workload, Goal({"ttft": 500, "tpot": 50}), Limits(5, ("round_robin",), (1,), exhaustive=0)).search()
     assert searched.chosen.spec.gpus == exhaustive.chosen.spec.gpus
+    assert any(c.spec.prefill and c.spec.decode == 2 for c in searched.candidates)  # prefill sized beside the generous decode pool
     assert searched.simulations < exhaustive.simulations
 
 
