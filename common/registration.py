@@ -7,6 +7,10 @@ evicted, common/block_hash.py) to the router's KV index: numbered batches of the
 epoch (RegisterResponse.epoch; a heartbeat may announce a new one), a snapshot of the whole cache
 first and after any failed send or a gap the router saw, then one batch per heartbeat interval, or
 sooner once many events are pending.
+
+Heartbeats keep time whatever the engine does: the router's KV index drops a worker's entry when one
+heartbeat is missed. The stats they carry are read between engine steps, so a heartbeat waits for fresh
+ones at most half an interval and otherwise carries the last ones read (a step older).
 """
 
 from __future__ import annotations
@@ -78,6 +82,9 @@ class RegistrationLoop:
         self.service = service
         self.interval_s = 1.0
         self._task: asyncio.Task | None = None
+        self._stats: pb.WorkerStats | None = None
+        self._stats_call: asyncio.Future | None = None
+        """The Stats read in flight (it waits for the engine's step to end)."""
         self._kv_send: asyncio.Future | None = None
         """The KV batch in flight: sent beside the heartbeats, which never wait for it (a batch waits for the
         engine's step to end, and so does the heartbeat's Stats: in one loop a long step would count twice)."""
@@ -104,9 +111,10 @@ class RegistrationLoop:
                 await self._task
             except asyncio.CancelledError:
                 pass
-        if self._kv_send is not None:
-            self._kv_send.cancel()
-            await asyncio.gather(self._kv_send, return_exceptions=True)
+        for call in (self._kv_send, self._stats_call):
+            if call is not None:
+                call.cancel()
+                await asyncio.gather(call, return_exceptions=True)
         try:
             await self._stub.Deregister(pb.DeregisterRequest(worker_id=self.info.worker_id), timeout=2.0)
         except grpc.aio.AioRpcError:
@@ -127,7 +135,7 @@ class RegistrationLoop:
                     log.info("registered with router %s", self.router_address)
                 if time.monotonic() >= next_beat:
                     next_beat = time.monotonic() + self.interval_s
-                    stats = await self.service.Stats(pb.StatsRequest(), None)
+                    stats = await self._latest_stats(self.interval_s / 2)
                     reply = await self._stub.Heartbeat(pb.HeartbeatRequest(worker_id=self.info.worker_id, stats=stats), timeout=5.0)
                     registered = reply.known
                     self._begin_epoch(reply.epoch)
@@ -148,6 +156,16 @@ class RegistrationLoop:
                     log.debug("router %s unreachable: %s", self.router_address, exc.code().name)
             next_beat = 0.0
             await asyncio.sleep(self.interval_s)
+
+    async def _latest_stats(self, wait_s: float) -> pb.WorkerStats | None:
+        """Fresh stats if the engine answers within `wait_s`, else the last ones read (None before the first)."""
+        if self._stats_call is None:
+            self._stats_call = asyncio.ensure_future(self.service.Stats(pb.StatsRequest(), None))
+        await asyncio.wait([self._stats_call], timeout=wait_s)
+        if self._stats_call.done():
+            done, self._stats_call = self._stats_call, None
+            self._stats = done.result()
+        return self._stats
 
     def _check_kv_send(self) -> None:
         """A finished KV batch: forget it; a refusal by the router is raised into the loop (which registers

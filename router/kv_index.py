@@ -1,7 +1,9 @@
 """The router's global KV index: which registered worker holds which KV block, in which tier.
 
 Lifecycle of a worker's entry: `open` when it registers (a fresh epoch, no blocks, inexact);
-its first batch of KV events is a snapshot of its cache (exact from then on); each later batch
+each heartbeat `renew`s its lease (`lease_s`: the pool gives two heartbeat intervals, so one missed
+heartbeat); an entry whose lease ran out counts for nothing at once (every query skips it) and `lapse`
+drops it; its first batch of KV events is a snapshot of its cache (exact from then on); each later batch
 (`apply`, numbered 1, 2, ... per epoch) adds the blocks it stored and drops those it evicted; `close`
 when it deregisters, misses its heartbeats or fails a call (out of rotation), and `open` again
 (a new epoch) on its next registration or heartbeat. Events that name an epoch other than the
@@ -44,6 +46,8 @@ class WorkerBlocks:
     worker_id: str
     epoch: int
     opened_at: float
+    lease_until: float = float("inf")
+    """The entry counts until then: a heartbeat of the worker renews it."""
     tiers: dict[str, set[int]] = field(default_factory=dict)
     applied_seq: int = 0
     exact: bool = False
@@ -68,8 +72,10 @@ class WorkerBlocks:
 
 
 class KVIndex:
-    def __init__(self, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, clock: Callable[[], float] = time.monotonic, lease_s: float = float("inf")):
         self._clock = clock
+        self.lease_s = lease_s
+        """How long an entry counts after its registration or its worker's last heartbeat."""
         self._workers: dict[str, WorkerBlocks] = {}
         # epochs grow across router restarts too: a worker's old epoch is never issued again
         self._epochs = itertools.count(time.time_ns())
@@ -78,22 +84,46 @@ class KVIndex:
     def open(self, worker_id: str) -> int:
         """A new registration of `worker_id`: its former entry is dropped; returns the new epoch."""
         epoch = next(self._epochs)
-        self._workers[worker_id] = WorkerBlocks(worker_id, epoch, self._clock())
+        now = self._clock()
+        self._workers[worker_id] = WorkerBlocks(worker_id, epoch, now, lease_until=now + self.lease_s)
         return epoch
+
+    def renew(self, worker_id: str) -> int | None:
+        """The worker is alive (a heartbeat): its entry counts for another `lease_s`. Returns its epoch, or
+        None when it has no entry (or its lease had run out: then the entry is dropped here)."""
+        entry = self._live(worker_id)
+        if entry is None:
+            self.close(worker_id)
+            return None
+        entry.lease_until = self._clock() + self.lease_s
+        return entry.epoch
+
+    def lapse(self) -> list[str]:
+        """Drop the entries whose lease ran out (their workers missed a heartbeat); returns their worker ids."""
+        now = self._clock()
+        lapsed = [w for w, entry in self._workers.items() if entry.lease_until < now]
+        for worker_id in lapsed:
+            self.close(worker_id)
+        return lapsed
 
     def close(self, worker_id: str) -> None:
         """Forget the worker's blocks now (deregistered, dead, out of rotation)."""
         self._workers.pop(worker_id, None)
 
     def epoch(self, worker_id: str) -> int | None:
-        entry = self._workers.get(worker_id)
+        entry = self._live(worker_id)
         return entry.epoch if entry is not None else None
+
+    def _live(self, worker_id: str) -> WorkerBlocks | None:
+        """The worker's entry while its lease holds."""
+        entry = self._workers.get(worker_id)
+        return entry if entry is not None and entry.lease_until >= self._clock() else None
 
     # ---- events --------------------------------------------------------------------------------
     def apply(self, worker_id: str, epoch: int, seq: int, snapshot: bool, runs: Iterable[Run]) -> bool:
         """Apply one batch of the worker's events; returns whether the router wants a snapshot next.
         Raises StaleEvents for an unknown worker or a former epoch."""
-        entry = self._workers.get(worker_id)
+        entry = self._live(worker_id)
         if entry is None:
             raise StaleEvents("worker_id", f"{worker_id!r} has no open registration (register first)")
         if epoch != entry.epoch:
@@ -114,7 +144,7 @@ class KVIndex:
     # ---- queries -------------------------------------------------------------------------------
     def leading_blocks(self, worker_id: str, hashes: Sequence[int], tier: str = TIER_POOL) -> int:
         """How many of the chain's first blocks the worker holds in `tier`."""
-        entry = self._workers.get(worker_id)
+        entry = self._live(worker_id)
         if entry is None:
             return 0
         blocks = entry.blocks(tier)
@@ -128,7 +158,7 @@ class KVIndex:
     def usable_blocks(self, worker_id: str, hashes: Sequence[int]) -> int:
         """How many of the chain's first blocks the worker can use without computing them: those in its pool,
         then those that continue the run in any second tier (it loads them back)."""
-        entry = self._workers.get(worker_id)
+        entry = self._live(worker_id)
         if entry is None:
             return 0
         count = 0
@@ -140,20 +170,22 @@ class KVIndex:
 
     def holders(self, block_hash: int, tier: str = TIER_POOL) -> list[str]:
         """The workers that hold `block_hash` in `tier`."""
-        return [w for w, entry in self._workers.items() if block_hash in entry.blocks(tier)]
+        return [e.worker_id for e in self.entries() if block_hash in e.blocks(tier)]
 
     def entry(self, worker_id: str) -> WorkerBlocks | None:
-        return self._workers.get(worker_id)
+        return self._live(worker_id)
 
     def entries(self) -> list[WorkerBlocks]:
-        return list(self._workers.values())
+        """The entries that count now (leases held)."""
+        now = self._clock()
+        return [e for e in self._workers.values() if e.lease_until >= now]
 
     def lag_s(self, entry: WorkerBlocks) -> float | None:
         """Seconds since the entry's last applied batch (None: none yet)."""
         return None if entry.applied_at is None else self._clock() - entry.applied_at
 
     def distinct_blocks(self, tier: str = TIER_POOL) -> int:
-        return len(set().union(*(e.blocks(tier) for e in self._workers.values())))
+        return len(set().union(*(e.blocks(tier) for e in self.entries())))
 
     def summary(self, roles: dict[str, str] | None = None) -> dict:
         """A JSON-able view for `pdserve status`: per worker, blocks, exactness and lag."""

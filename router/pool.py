@@ -7,7 +7,10 @@ on `Deregister`. A worker that switched role (common/role_switch.py) deregisters
 again with its new role: a fresh entry with a stub of that role's service. Static workers (from flags) have no heartbeat and are probed with `Stats`.
 The pool owns the KV index (router/kv_index.py): a registered worker's blocks are there from its
 registration's epoch on, and are dropped whenever it leaves rotation (deregistered, heartbeats
-missed, a failed call); its next heartbeat opens a new epoch, whose events start with a snapshot.
+missed, a failed call) and as soon as it misses one heartbeat (the index's lease: two heartbeat intervals,
+long before the worker leaves rotation at `heartbeat_timeout_s`); its next heartbeat opens a new epoch,
+whose events start with a snapshot. Heartbeats never wait for an engine step (common/registration.py),
+so a busy worker keeps its lease.
 Each entry owns one channel built by `Security.channel` (TLS and the cluster secret when set).
 """
 
@@ -62,10 +65,12 @@ class NoWorkerAvailable(Exception):
 
 class WorkerPool:
     def __init__(self, policy: str = "round_robin", heartbeat_timeout_s: float = 5.0, close_grace_s: float = 300.0,
-                 security: Security | None = None, block_size: int = EngineConfig.block_size):
+                 security: Security | None = None, block_size: int = EngineConfig.block_size, heartbeat_interval_s: float = 1.0):
         self.security = security or Security()
         """Builds the channels to workers (TLS, shared secret on every call)."""
-        self.kv_index = KVIndex()
+        self.heartbeat_interval_s = heartbeat_interval_s
+        """How often registered workers heartbeat (told them in RegisterResponse)."""
+        self.kv_index = KVIndex(lease_s=2 * heartbeat_interval_s)
         """Which registered worker holds which KV block (fed by `Registry.ReportKVEvents`)."""
         self.policy = make_policy(policy, block_size, self.kv_index)
         """Picks workers; `block_size` (the engine's) shapes the prompt's block hashes."""
@@ -107,7 +112,7 @@ class WorkerPool:
             return None
         worker.last_seen = time.monotonic()
         worker.healthy = True
-        epoch = self.kv_index.epoch(worker_id)
+        epoch = self.kv_index.renew(worker_id)
         if epoch is None:
             epoch = self.kv_index.open(worker_id)
         if stats is not None and stats.ByteSize():
@@ -116,7 +121,10 @@ class WorkerPool:
         return epoch
 
     def expire(self) -> None:
-        """Take workers whose heartbeats stopped out of rotation."""
+        """Drop the KV index entries of workers that missed a heartbeat; take workers whose heartbeats stopped
+        out of rotation."""
+        for worker_id in self.kv_index.lapse():
+            log.info("worker %s missed a heartbeat: its KV index entry is dropped until it sends a snapshot", worker_id)
         now = time.monotonic()
         for worker in self.workers.values():
             if not worker.static and worker.healthy and now - worker.last_seen > self.heartbeat_timeout_s:

@@ -29,9 +29,9 @@ TIERS = {pb.KV_TIER_POOL: "pool", pb.KV_TIER_HOST: "host", pb.KV_TIER_DISK: "dis
 
 
 class RegistryService(pb_grpc.RegistryServicer):
-    def __init__(self, pool: WorkerPool, heartbeat_interval_s: float = 1.0):
+    def __init__(self, pool: WorkerPool):
         self.pool = pool
-        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_interval_s = pool.heartbeat_interval_s
         self.switch_timeout_s = 600.0
         """A switch waits for the worker's calls in flight to finish."""
 

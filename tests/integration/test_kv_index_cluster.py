@@ -2,7 +2,8 @@
 two prefill workers and one decode worker with the demo model, small KV pools (evictions) and a
 cluster secret. After a load that evicts, the index equals every worker's prefix cache; a
 stranger's events (wrong or no secret, unknown worker id, a former epoch) are refused; a restarted
-router rebuilds the index from the workers' snapshots; a restarted worker starts over in a new epoch; a killed worker's entries are gone within its heartbeat timeout and
+router rebuilds the index from the workers' snapshots; a restarted worker starts over in a new epoch; a killed worker's entries are gone within one heartbeat (the index's
+lease: two heartbeat intervals after the last one, before the worker leaves rotation) and
 the next request that shares its prefix is served by the other worker, with the same greedy tokens.
 Every test ends with no KV block leaked.
 """
@@ -29,7 +30,8 @@ MD = Security(secret=SECRET).call_metadata()
 WRONG_MD = Security(secret="not-the-cluster-secret-0123456789").call_metadata()
 BLOCK = 16
 NUM_BLOCKS = 40  # 640 tokens a pool: the load below evicts
-HEARTBEAT_TIMEOUT_S = 4.0  # above a busy shared CPU's longest step (heartbeats carry stats read between steps)
+HEARTBEAT_TIMEOUT_S = 4.0  # rotation; heartbeats keep time during long engine steps (common/registration.py)
+INDEX_LEASE_S = 2.0  # the router's heartbeat interval (1 s) twice: one heartbeat missed
 MAX_NEW = 4
 
 
@@ -235,7 +237,7 @@ def test_a_restarted_worker_starts_a_new_epoch_and_its_former_blocks_are_gone(cl
     cluster.assert_no_leaked_blocks()
 
 
-def test_a_killed_workers_entries_are_gone_within_its_heartbeat_timeout_and_nothing_is_routed_by_them(cluster):
+def test_a_killed_workers_entries_are_gone_within_one_heartbeat_and_nothing_is_routed_by_them(cluster):
     prompt = turn(0, 4)
     reference = cluster.generate(prompt)
     index = cluster.assert_index_equals_caches()
@@ -247,8 +249,9 @@ def test_a_killed_workers_entries_are_gone_within_its_heartbeat_timeout_and_noth
     proc.popen.kill()
     killed = time.monotonic()
     proc.popen.wait(10)
-    wait_until(lambda: holder not in cluster.index(), HEARTBEAT_TIMEOUT_S + 5.0, f"{holder}'s entries are dropped")
-    assert time.monotonic() - killed <= HEARTBEAT_TIMEOUT_S + 5.0
+    wait_until(lambda: holder not in cluster.index(), INDEX_LEASE_S + 5.0, f"{holder}'s entries are dropped")
+    dropped_after = time.monotonic() - killed
+    assert dropped_after <= INDEX_LEASE_S + 1.0, f"the dead worker's entries lasted {dropped_after:.2f} s"
     assert cluster.generate(prompt) == reference  # the index pointed at the dead worker: the survivor computes it
     assert cluster.stats(other).prompt_tokens > served_before
     index = cluster.assert_index_equals_caches()

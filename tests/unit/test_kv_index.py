@@ -150,6 +150,42 @@ def test_index_refuses_unknown_workers_and_former_epochs_and_forgets_on_close():
     assert index.entry("w") is None and index.epoch("w") is None and index.distinct_blocks() == 0
 
 
+def test_an_entry_counts_only_while_its_workers_heartbeats_renew_its_lease():
+    clock = Clock()
+    index = KVIndex(clock, lease_s=2.0)
+    epoch = index.open("w")
+    index.apply("w", epoch, 1, True, [(True, "pool", [1, 2]), (True, "disk", [3])])
+    clock.now += 1.5
+    assert index.renew("w") == epoch  # a heartbeat: two more seconds
+    clock.now += 1.9
+    assert index.leading_blocks("w", [1, 2]) == 2 and index.lapse() == []
+    clock.now += 0.2  # one heartbeat missed: the entry counts for nothing before anyone drops it
+    assert index.entry("w") is None and index.epoch("w") is None and index.entries() == []
+    assert index.leading_blocks("w", [1, 2]) == 0 and index.usable_blocks("w", [1, 2, 3]) == 0 and index.holders(1) == []
+    assert index.distinct_blocks() == 0
+    with pytest.raises(StaleEvents) as late:
+        index.apply("w", epoch, 2, False, [(True, "pool", [4])])
+    assert late.value.field == "worker_id"
+    assert index.lapse() == ["w"] and index.lapse() == []
+    assert index.renew("w") is None  # a late heartbeat finds no entry: the pool opens a new epoch
+
+
+async def test_a_late_heartbeat_drops_the_entry_and_opens_a_new_epoch_while_the_worker_stays_in_rotation():
+    pool = WorkerPool(heartbeat_timeout_s=5.0, heartbeat_interval_s=1.0)
+    clock = Clock()
+    pool.kv_index = KVIndex(clock, lease_s=2.0)
+    pool.add("p0", "prefill", "127.0.0.1:1")
+    epoch = pool.heartbeat("p0", None)
+    pool.kv_index.apply("p0", epoch, 1, True, [(True, "pool", [1])])
+    clock.now += 2.5  # its heartbeat is late by more than an interval; the worker is not yet expired
+    pool.expire()
+    assert pool.kv_index.entry("p0") is None and pool.workers["p0"].healthy
+    new = pool.heartbeat("p0", None)
+    assert new is not None and new != epoch and pool.kv_index.entry("p0").blocks() == set()
+    assert WorkerPool(heartbeat_interval_s=0.5).kv_index.lease_s == 1.0
+    await pool.close()
+
+
 def test_index_epochs_never_repeat_across_index_instances():
     assert KVIndex().open("w") < KVIndex().open("w")
 
@@ -281,6 +317,40 @@ class FakeService:
         return pb.WorkerStats(worker_id="p0")
 
 
+class BusyService(FakeService):
+    """A worker whose Stats waits for long engine steps (four heartbeat intervals each)."""
+
+    step_s = 1.0
+
+    async def Stats(self, request, context) -> pb.WorkerStats:
+        await asyncio.sleep(self.step_s)
+        return pb.WorkerStats(worker_id="p0", running_requests=3)
+
+
+async def test_a_busy_workers_heartbeats_keep_time_so_its_index_entry_never_lapses():
+    pool = WorkerPool(heartbeat_interval_s=0.25)
+    server = grpc.aio.server()
+    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    bm = BlockManager(num_blocks=16, block_size=BS)
+    bm.free(run(bm, "cached", list(range(8))))
+    loop = RegistrationLoop(f"127.0.0.1:{port}", "prefill", "p0", "127.0.0.1:9", BusyService(bm), "m")
+    loop.start()
+    try:
+        await wait_for(lambda: pool.kv_index.entry("p0") is not None and pool.kv_index.entry("p0").exact)
+        epoch = pool.kv_index.epoch("p0")
+        for _ in range(30):  # 3 s: three engine steps, twelve heartbeat intervals
+            await asyncio.sleep(0.1)
+            pool.expire()
+            assert pool.kv_index.epoch("p0") == epoch, "the busy worker's entry lapsed"
+        assert pool.workers["p0"].stats.running_requests == 3  # the stats read between steps still arrive
+    finally:
+        await loop.stop()
+        await server.stop(None)
+        await pool.close()
+
+
 async def wait_for(condition, timeout: float = 10.0) -> None:
     deadline = asyncio.get_running_loop().time() + timeout
     while not condition():
@@ -289,9 +359,9 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 async def test_registration_loop_reports_and_rebuilds_its_entry_after_the_router_dropped_it():
-    pool = WorkerPool()
+    pool = WorkerPool(heartbeat_interval_s=0.25)
     server = grpc.aio.server()
-    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool, heartbeat_interval_s=0.1), server)
+    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     bm = BlockManager(num_blocks=16, block_size=BS)
