@@ -124,7 +124,7 @@ class WorkerPool:
         """Drop the KV index entries of workers that missed a heartbeat; take workers whose heartbeats stopped
         out of rotation."""
         for worker_id in self.kv_index.lapse():
-            log.info("worker %s missed a heartbeat: its KV index entry is dropped until it sends a snapshot", worker_id)
+            log.warning("worker %s missed a heartbeat: its KV index entry is dropped until it sends a snapshot", worker_id)
         now = time.monotonic()
         for worker in self.workers.values():
             if not worker.static and worker.healthy and now - worker.last_seen > self.heartbeat_timeout_s:
