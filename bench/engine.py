@@ -82,6 +82,7 @@ from engine.model_loader import DTYPES, LoadedModel, load_model
 log = logging.getLogger("bench.engine")
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "engine.json"
+SCALING_OUT = DEFAULT_OUT.with_name("engine_scaling.json")
 TARGETS = {  # issue #17's acceptance, per dtype
     "float32": {"engine_over_bound": 0.8, "engine_decode_b64_over_ceiling": 0.7},
     "bfloat16": {"engine_over_bound": 0.7, "engine_over_hf_static": 6.0},
@@ -327,6 +328,12 @@ def _settings_record(s: Settings, w: Workload, baseline: Workload, continuous: W
 
 # ---- CLI -----------------------------------------------------------------------------------------
 def parse_args(argv: list[str] | None) -> tuple[Settings, Path]:
+    s, out, _ = parse_cli(argv)
+    return s, out
+
+
+def parse_cli(argv: list[str] | None) -> tuple[Settings, Path, argparse.Namespace | None]:
+    """The settings, the output path and, with `--scaling`, the per-thread scaling run's options (else None)."""
     p = argparse.ArgumentParser(prog="pdserve bench engine", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--num-requests", type=int, default=None, help="default 64 (8 with --quick)")
@@ -347,7 +354,16 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path]:
     p.add_argument("--dtype", type=_dtypes, default=(auto_dtype("cpu"),),
                    help=f"comma-separated dtypes to run the whole benchmark in, e.g. fp32,bf16 (default here: {auto_dtype('cpu')}, "
                    "what engine.dtype: auto picks on this CPU)")
+    p.add_argument("--scaling", action="store_true",
+                   help="instead of the whole benchmark: the engine alone at each of --scaling-threads, one process per run "
+                   "(bench/engine_scaling.py; default output bench/results/engine_scaling.json)")
+    p.add_argument("--scaling-threads", type=_thread_counts, default=(1, 2), help="thread counts of --scaling (default 1,2)")
+    p.add_argument("--scaling-rounds", type=int, default=2, help="rounds of --scaling, thread counts interleaved (default 2)")
+    p.add_argument("--baseline-rev", default=None,
+                   help="--scaling: also run this git revision (a worktree of it), alternating with this checkout in every round")
     a = p.parse_args(argv)
+    if a.scaling and a.out == DEFAULT_OUT:
+        a.out = SCALING_OUT
     if a.quick:
         s = Settings(
             model=a.model, num_requests=a.num_requests or 8, seed=a.seed, prompt_len=(8, 24), output_len=(4, 12),
@@ -362,7 +378,14 @@ def parse_args(argv: list[str] | None) -> tuple[Settings, Path]:
             continuous_requests=Settings.continuous_requests if a.continuous_requests is None else (a.continuous_requests or None),
             dtypes=a.dtype,
         )
-    return s, a.out
+    return s, a.out, a if a.scaling else None
+
+
+def _thread_counts(text: str) -> tuple[int, ...]:
+    counts = tuple(sorted({int(n) for n in text.split(",") if n.strip()}))
+    if not counts or min(counts) < 1:
+        raise argparse.ArgumentTypeError("--scaling-threads: comma-separated thread counts of at least 1, e.g. 1,2")
+    return counts
 
 
 def _dtypes(text: str) -> tuple[str, ...]:
@@ -379,12 +402,34 @@ def write_result(result: dict, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    settings, out = parse_args(argv)
+    settings, out, scaling = parse_cli(argv)
+    command = " ".join(["pdserve bench engine", *(sys.argv[1:] if argv is None else argv)])
+    if scaling is not None:
+        return run_scaling_cli(settings, out, scaling, command)
     result = {"command": " ".join(["pdserve bench engine", *(sys.argv[1:] if argv is None else argv)]), **run_dtypes(settings)}
     write_result(result, out)
     print(summary(result))
     print(f"wrote {out} and {plot(result, out.with_suffix('.png'))}")
     return 0
+
+
+def run_scaling_cli(settings: Settings, out: Path, a: argparse.Namespace, command: str) -> int:
+    """`--scaling`: the engine alone at each thread count (bench.engine_scaling), written through bench.history."""
+    from bench.engine_scaling import run_scaling
+    from bench.engine_scaling import summary as scaling_summary
+    from common.model_files import resolve_model_path
+
+    report = run_scaling(settings, str(resolve_model_path(settings.model)), a.scaling_threads, a.scaling_rounds, a.baseline_rev)
+    report = {"benchmark": "engine_scaling", "command": command, **report, "workload": _settings_record_brief(settings), "machine": machine_record()}
+    record(out, report, "engine_scaling")
+    print(scaling_summary(report))
+    print(f"wrote {out}")
+    return 0
+
+
+def _settings_record_brief(s: Settings) -> dict:
+    return {"num_requests": s.num_requests, "seed": s.seed, "prompt_len": list(s.prompt_len), "output_len": list(s.output_len),
+            "max_num_batched_tokens": s.max_num_batched_tokens, "sampling": "greedy, ignore_eos"}
 
 
 if __name__ == "__main__":

@@ -107,6 +107,11 @@ def _engine(r: dict) -> dict:
     return out
 
 
+def _engine_scaling(r: dict) -> dict:
+    return {dtype: {"tok_s": d["best_tokens_per_s"], "scaling": d["scaling"], **({"speedup": d["speedup"]} if "speedup" in d else {})}
+            for dtype, d in r["by_dtype"].items()}
+
+
 def _static(r: dict) -> dict:
     rows = {row["system"]: row["tokens_per_s"] for row in r["rows"]}
     return {"tok_s": rows, "engine_over_hf_static": r["targets"]["engine_over_hf_static"]["measured"],
@@ -222,6 +227,7 @@ HEADLINES: dict[str, Callable[[dict], dict]] = {
     "kv_tier": _kv_tier,
     "status_latency": _status_latency,
     "engine": _engine,
+    "engine_scaling": _engine_scaling,
     "static_vs_continuous": _static,
     "prefill_interference": _interference,
     "goodput": _goodput,
