@@ -8,7 +8,7 @@ each dtype runs rounds of one process per thread count (bench/peers/pdserve_offl
 request untimed, then every request added at once and stepped until done: output tokens / wall seconds), the thread
 counts interleaved within a round so that a neighbour's burst hits every count alike. With `baseline_rev`, the same
 runs of that revision (a git worktree of it, removed at the end) alternate with this checkout's in every round: a
-change's before/after in the same minutes. Each run records how busy the rest of the machine was (bench.measure).
+change's before/after in the same minutes. Each run records how busy the rest of the machine was meanwhile (bench.measure, less the run's own process).
 Per revision and dtype the best round counts (the least disturbed by neighbours on a shared VM; every round is kept),
 `scaling` is tok/s at the most threads over tok/s at 1 thread, and `speedup` this checkout over the baseline.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import resource
 import subprocess
 import sys
 import tempfile
@@ -58,16 +59,19 @@ def run_one(repo: Path, workload: Path, workdir: Path, dtype: str, threads: int)
     result = workdir / f"run_{dtype}_{threads}t.json"
     argv = [sys.executable, "-m", "bench.peers.pdserve_offline", str(workload), str(result), "--dtype", dtype, "--threads", str(threads)]
     machine = Machine()
+    children0 = _children_cpu_seconds()
     with machine.phase("run"):
         done = subprocess.run(argv, cwd=repo, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True)
+    child_cores = (_children_cpu_seconds() - children0) / machine.phases["run"]["wall_s"]
     if done.returncode != 0:
         raise RuntimeError(f"engine run at {repo} ({dtype}, {threads} threads) failed:\n{done.stdout[-2000:]}{done.stderr[-2000:]}")
     record = json.loads(result.read_text())
     load = machine.phases["run"]
-    log.info("%s %s %dt: %.1f tok/s (other processes: %s cores)", repo, dtype, threads, record["tokens_per_s"], load["other_processes_cpu_cores"])
+    other = None if load["other_processes_cpu_cores"] is None else round(max(0.0, load["other_processes_cpu_cores"] - child_cores), 2)
+    log.info("%s %s %dt: %.1f tok/s (other processes: %s cores)", repo, dtype, threads, record["tokens_per_s"], other)
     return {"threads": threads, "tokens_per_s": record["tokens_per_s"], "wall_s": record["wall_s"], "cpu_s": record["cpu_s"],
             "cpu_cores_used": round(record["cpu_s"] / record["wall_s"], 2), "output_token_ids": record["output_token_ids"],
-            "loadavg_1m_start": load["loadavg_1m_start"], "process_other_processes_cpu_cores": load["other_processes_cpu_cores"]}
+            "loadavg_1m_start": load["loadavg_1m_start"], "other_processes_cpu_cores": other}
 
 
 def summarize(runs: list[dict[str, Any]], threads: tuple[int, ...], revisions: list[str]) -> dict[str, Any]:
@@ -85,6 +89,12 @@ def summarize(runs: list[dict[str, Any]], threads: tuple[int, ...], revisions: l
     tokens = [r.pop("output_token_ids") for r in runs]
     out["identical_outputs"] = all(t == tokens[0] for t in tokens)
     return out
+
+
+def _children_cpu_seconds() -> float:
+    """CPU seconds of this process's waited-for children (the run's process: bench.measure counts only this one's own)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 @contextmanager
