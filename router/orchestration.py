@@ -194,7 +194,9 @@ class Orchestrator:
         exclude = failed_prefill if self.pool.candidates("prefill", failed_prefill) else set()
         prefiller = self.pool.pick("prefill", prompt_ids, exclude=exclude)
         source = self.pool.pull_source(prefiller, prompt_ids) if self.config.kv_pull else None
+        work = len(prompt_ids) - self.pool.policy.usable_tokens(prefiller, self.pool.policy.prompt_hashes(prompt_ids))
         prefiller.in_flight += 1
+        prefiller.pending_prefill_tokens += work
         with span("prefill", state.trace, SpanKind.CLIENT, worker_id=prefiller.worker_id, attempt=state.attempts) as current:
             try:
                 response = await prefiller.stub.Prefill(
@@ -215,6 +217,7 @@ class Orchestrator:
                 raise PrefillFailed(f"{prefiller.worker_id}: {exc.code().name} {exc.details()}") from None
             finally:
                 prefiller.in_flight -= 1
+                prefiller.pending_prefill_tokens -= work
             annotate(current, kv_bytes=response.kv_bytes_sent, cached_prompt_tokens=response.cached_prompt_tokens)
         state.worker_stages(response.timings, prefill_done=True)
         state.cached_prompt_tokens = max(state.cached_prompt_tokens, response.cached_prompt_tokens)

@@ -7,8 +7,9 @@
   an approximate, bounded LRU of block hashes per prefill worker), traded against load; decode goes
   to the worker with the most free KV blocks.
 - kv_aware: both pools by the router's exact KV index (router/kv_index.py, fed by the workers' KV
-  events): prefill goes to the worker with the lowest cost, the prompt tokens it must compute
-  (those past the leading blocks it holds) plus its load in prompt-sized units; decode goes to the
+  events): prefill goes to the worker where the prompt's KV is ready first, by the lowest count of
+  tokens to compute: the prompt's tokens past the leading blocks it holds, plus the uncomputed prompt
+  tokens already sent there and not yet done (`Worker.pending_prefill_tokens`); decode goes to the
   worker holding the most leading blocks of the prompt (the conversation's earlier turns: reused,
   not moved) when it has room for the rest, else to the one with the most free KV blocks.
 Under least_loaded and prefix_aware the decode choice is free-KV aware.
@@ -39,6 +40,16 @@ class RoundRobin:
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
         counter = self._counters.setdefault(role, itertools.count())
         return candidates[next(counter) % len(candidates)]
+
+    def prompt_hashes(self, prompt_ids: list[int]) -> list[int]:
+        """The chain hashes of the prompt's blocks a worker can hold for it: full blocks, never the one with the
+        prompt's last token in it when that ends a block (the engine computes the last token to sample)."""
+        return chain_hashes(prompt_ids, self.block_size, max_blocks=(len(prompt_ids) - 1) // self.block_size)
+
+    def usable_tokens(self, worker: Worker, hashes: list[int]) -> int:
+        """How many of the prompt's leading tokens (`prompt_hashes`) `worker` holds, in its pool and then its second
+        tier, by the index: tokens it needs neither to compute nor to receive."""
+        return self.index.usable_blocks(worker.worker_id, hashes) * self.block_size
 
 
 class LeastLoaded(RoundRobin):
@@ -87,21 +98,15 @@ class PrefixAware(LeastLoaded):
 
 class KVAware(RoundRobin):
     """Both pools by the exact KV index: cached overlap (tokens needing no compute and no transfer)
-    against load."""
-
-    def __init__(self, block_size: int, index: KVIndex | None = None, load_weight: float = 0.5) -> None:
-        super().__init__(block_size, index)
-        self.load_weight = load_weight
-        """Prompt-lengths of compute one unit of `Worker.load` is taken to stand for."""
+    against the work queued ahead, both in prompt tokens to compute."""
 
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
-        # the engine never counts a prompt's last token as cached (it must compute one to sample)
-        hashes = chain_hashes(prompt_ids, self.block_size, max_blocks=(len(prompt_ids) - 1) // self.block_size)
-        held = {w.worker_id: self.index.usable_blocks(w.worker_id, hashes) * self.block_size for w in candidates}  # pool, then its tier
+        hashes = self.prompt_hashes(prompt_ids)
+        held = {w.worker_id: self.usable_tokens(w, hashes) for w in candidates}
         if role == "decode":
             return self._decode(candidates, held, len(prompt_ids))
         n = len(prompt_ids)
-        return min(candidates, key=lambda w: ((n - held[w.worker_id]) + self.load_weight * n * w.load, w.routed))
+        return min(candidates, key=lambda w: (w.pending_prefill_tokens + n - held[w.worker_id], w.routed))
 
     def _decode(self, candidates: list[Worker], held: dict[str, int], prompt_tokens: int) -> Worker:
         """The worker holding the most of the prompt, if it has room for the rest; else the most free KV."""

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from common.block_hash import chain_hashes
 from common.engine_config import EngineConfig
 from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
@@ -49,6 +48,8 @@ class Worker:
     in_flight: int = 0
     routed: int = 0
     """Requests the router has sent here (tie-breaker and observability)."""
+    pending_prefill_tokens: int = 0
+    """Prompt tokens the router has sent here to compute (cached ones excluded) whose prefill is not done yet."""
 
     @property
     def load(self) -> float:
@@ -152,7 +153,7 @@ class WorkerPool:
         """The healthy worker whose pool holds more of the prompt's leading blocks than `puller` has (pool
         or tier) and the most of any, by the KV index: where `puller` may pull them from (kvtransfer.prefix)."""
         block_size = self.policy.block_size
-        hashes = chain_hashes(prompt_ids, block_size, max_blocks=(len(prompt_ids) - 1) // block_size)
+        hashes = self.policy.prompt_hashes(prompt_ids)
         own = self.kv_index.usable_blocks(puller.worker_id, hashes)
         holders = [(self.kv_index.leading_blocks(w.worker_id, hashes), w) for w in self.workers.values()
                    if w is not puller and w.healthy and not w.draining]
