@@ -7,12 +7,9 @@
   an approximate, bounded LRU of block hashes per prefill worker), traded against load; decode goes
   to the worker with the most free KV blocks.
 - kv_aware: both pools by the router's exact KV index (router/kv_index.py, fed by the workers' KV
-  events): prefill goes to the worker with the lowest cost in tokens to compute: the prompt's tokens
-  past the leading blocks it holds, plus the uncomputed prompt tokens already sent there and not yet
-  done (`Worker.pending_prefill_tokens`: together, when the prompt's KV is ready there), plus the
-  cached tokens another worker holds that it would compute again (the cluster's capacity that every
-  later request waits for: without it a conversation left its holder at one queued prompt's
-  difference and its cache split between workers); decode goes to the
+  events): prefill goes to the worker where the prompt's KV is ready first, by the lowest count of
+  tokens to compute: the prompt's tokens past the leading blocks it holds, plus the uncomputed prompt
+  tokens already sent there and not yet done (`Worker.pending_prefill_tokens`); decode goes to the
   worker holding the most leading blocks of the prompt (the conversation's earlier turns: reused,
   not moved) when it has room for the rest, else to the one with the most free KV blocks.
 Under least_loaded and prefix_aware the decode choice is free-KV aware.
@@ -108,9 +105,8 @@ class KVAware(RoundRobin):
         held = {w.worker_id: self.usable_tokens(w, hashes) for w in candidates}
         if role == "decode":
             return self._decode(candidates, held, len(prompt_ids))
-        n, cached = len(prompt_ids), max(held.values())
-        # the prompt's wait there, plus the cached tokens it would compute again: capacity every later request waits for
-        return min(candidates, key=lambda w: (w.pending_prefill_tokens + n - held[w.worker_id] + cached - held[w.worker_id], w.routed))
+        n = len(prompt_ids)
+        return min(candidates, key=lambda w: (w.pending_prefill_tokens + n - held[w.worker_id], w.routed))
 
     def _decode(self, candidates: list[Worker], held: dict[str, int], prompt_tokens: int) -> Worker:
         """The worker holding the most of the prompt, if it has room for the rest; else the most free KV."""

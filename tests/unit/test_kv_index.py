@@ -402,7 +402,7 @@ def test_kv_aware_is_registered_but_not_the_default():
     assert RouterConfig().policy != "kv_aware"
 
 
-def test_kv_aware_prefill_weighs_the_queue_ahead_against_the_cached_tokens_it_would_compute_again():
+def test_kv_aware_prefill_goes_where_the_prompts_kv_is_ready_first():
     index = KVIndex()
     policy = make_policy("kv_aware", BS, index)
     prompt = list(range(41))  # 10 full blocks
@@ -410,13 +410,12 @@ def test_kv_aware_prefill_weighs_the_queue_ahead_against_the_cached_tokens_it_wo
     a, b = workers("prefill", "a", "b")
     holding(index, "b", hashes[:8])  # b holds 32 of 41 tokens
     assert policy.choose("prefill", [a, b], prompt) is b
-    b.pending_prefill_tokens = 63  # b: 63 queued + 9 = 72 < a: 41 + the 32 cached tokens it would compute again = 73
+    b.pending_prefill_tokens = 31  # b: 31 queued + 9 = 40 < a: 41
     assert policy.choose("prefill", [a, b], prompt) is b
-    b.pending_prefill_tokens = 65  # b: 74 > a: 73
+    b.pending_prefill_tokens = 33  # b: 42 > a: 41
     assert policy.choose("prefill", [a, b], prompt) is a
-    a.pending_prefill_tokens = 2  # a: 75
-    assert policy.choose("prefill", [a, b], prompt) is b
-    b.in_flight, a.pending_prefill_tokens, b.pending_prefill_tokens = 5, 0, 0  # requests in flight weigh only by their tokens
+    b.in_flight = 5  # requests in flight weigh only by their tokens
+    b.pending_prefill_tokens = 0
     assert policy.choose("prefill", [a, b], prompt) is b
     holding(index, "b", hashes[1:8])  # a chain without its first block is no prefix
     b.in_flight = 0
@@ -449,7 +448,7 @@ def test_kv_aware_never_counts_the_prompts_last_token_as_cached():
     prompt = list(range(8))  # exactly two blocks: the engine computes the last block again to sample
     a, b = workers("prefill", "a", "b")
     holding(index, "b", chain_hashes(prompt, BS))
-    b.pending_prefill_tokens = 8  # b: 8 queued + (8 - 4) = 12 ties a's 8 + 4 (counting both blocks would make b 8, a 16)
+    b.pending_prefill_tokens = 4  # b: 4 queued + (8 - 4) = 8 ties a's 8 (counting both blocks would make b 4)
     assert policy.choose("prefill", [a, b], prompt) is a
 
 
