@@ -5,6 +5,7 @@ the real Registry servicer over gRPC, and the kv_aware policy's choices."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import subprocess
 import sys
@@ -317,6 +318,21 @@ class FakeService:
         return pb.WorkerStats(worker_id="p0")
 
 
+@contextlib.asynccontextmanager
+async def registry_server(heartbeat_interval_s: float = 0.25):
+    """A Registry servicer over real gRPC on a pool heartbeating every `heartbeat_interval_s`: (pool, its port)."""
+    pool = WorkerPool(heartbeat_interval_s=heartbeat_interval_s)
+    server = grpc.aio.server()
+    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield pool, port
+    finally:
+        await server.stop(None)
+        await pool.close()
+
+
 class BusyService(FakeService):
     """A worker whose Stats waits for long engine steps (four heartbeat intervals each)."""
 
@@ -328,27 +344,21 @@ class BusyService(FakeService):
 
 
 async def test_a_busy_workers_heartbeats_keep_time_so_its_index_entry_never_lapses():
-    pool = WorkerPool(heartbeat_interval_s=0.25)
-    server = grpc.aio.server()
-    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     bm = BlockManager(num_blocks=16, block_size=BS)
     bm.free(run(bm, "cached", list(range(8))))
-    loop = RegistrationLoop(f"127.0.0.1:{port}", "prefill", "p0", "127.0.0.1:9", BusyService(bm), "m")
-    loop.start()
-    try:
-        await wait_for(lambda: pool.kv_index.entry("p0") is not None and pool.kv_index.entry("p0").exact)
-        epoch = pool.kv_index.epoch("p0")
-        for _ in range(30):  # 3 s: three engine steps, twelve heartbeat intervals
-            await asyncio.sleep(0.1)
-            pool.expire()
-            assert pool.kv_index.epoch("p0") == epoch, "the busy worker's entry lapsed"
-        assert pool.workers["p0"].stats.running_requests == 3  # the stats read between steps still arrive
-    finally:
-        await loop.stop()
-        await server.stop(None)
-        await pool.close()
+    async with registry_server() as (pool, port):
+        loop = RegistrationLoop(f"127.0.0.1:{port}", "prefill", "p0", "127.0.0.1:9", BusyService(bm), "m")
+        loop.start()
+        try:
+            await wait_for(lambda: pool.kv_index.entry("p0") is not None and pool.kv_index.entry("p0").exact)
+            epoch = pool.kv_index.epoch("p0")
+            for _ in range(30):  # 3 s: three engine steps, twelve heartbeat intervals
+                await asyncio.sleep(0.1)
+                pool.expire()
+                assert pool.kv_index.epoch("p0") == epoch, "the busy worker's entry lapsed"
+            assert pool.workers["p0"].stats.running_requests == 3  # the stats read between steps still arrive
+        finally:
+            await loop.stop()
 
 
 async def wait_for(condition, timeout: float = 10.0) -> None:
@@ -359,32 +369,26 @@ async def wait_for(condition, timeout: float = 10.0) -> None:
 
 
 async def test_registration_loop_reports_and_rebuilds_its_entry_after_the_router_dropped_it():
-    pool = WorkerPool(heartbeat_interval_s=0.25)
-    server = grpc.aio.server()
-    pb_grpc.add_RegistryServicer_to_server(RegistryService(pool), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
     bm = BlockManager(num_blocks=16, block_size=BS)
     bm.free(run(bm, "before", list(range(8))))  # cached before registering: the first snapshot carries it
-    loop = RegistrationLoop(f"127.0.0.1:{port}", "prefill", "p0", "127.0.0.1:9", FakeService(bm), "m")
-    loop.start()
-    try:
-        def synced() -> bool:
-            entry = pool.kv_index.entry("p0")
-            return entry is not None and entry.exact and entry.blocks() == set(bm.cached_hashes())
+    async with registry_server() as (pool, port):
+        loop = RegistrationLoop(f"127.0.0.1:{port}", "prefill", "p0", "127.0.0.1:9", FakeService(bm), "m")
+        loop.start()
+        try:
+            def synced() -> bool:
+                entry = pool.kv_index.entry("p0")
+                return entry is not None and entry.exact and entry.blocks() == set(bm.cached_hashes())
 
-        await wait_for(synced)
-        first = pool.kv_index.epoch("p0")
-        bm.free(run(bm, "more", list(range(100, 112))))
-        await wait_for(synced)
-        pool.mark_failed(pool.workers["p0"])  # out of rotation: the entry is gone at once
-        assert pool.kv_index.entry("p0") is None
-        await wait_for(synced)  # the next heartbeat opened a new epoch, the worker sent a snapshot
-        assert pool.kv_index.epoch("p0") != first and pool.workers["p0"].healthy
-    finally:
-        await loop.stop()
-        await server.stop(None)
-        await pool.close()
+            await wait_for(synced)
+            first = pool.kv_index.epoch("p0")
+            bm.free(run(bm, "more", list(range(100, 112))))
+            await wait_for(synced)
+            pool.mark_failed(pool.workers["p0"])  # out of rotation: the entry is gone at once
+            assert pool.kv_index.entry("p0") is None
+            await wait_for(synced)  # the next heartbeat opened a new epoch, the worker sent a snapshot
+            assert pool.kv_index.epoch("p0") != first and pool.workers["p0"].healthy
+        finally:
+            await loop.stop()
     assert pool.kv_index.entry("p0") is None  # deregistered
 
 
