@@ -3,6 +3,7 @@ ones the real run sent (same window, lengths and hash ids), and a run from anoth
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,9 @@ def test_trace_cases_replay_the_real_requests():
     case = cases[0]
     assert len(case["requests"]) == len(case["records"])
     assert all(len(keys) == prompt // 16 for _, prompt, _, keys in case["requests"])
-    assert case["spec"].prefill == 1 and case["spec"].decode == 2 and case["spec"].cores == 2
+    cluster = json.loads((RESULTS / "trace_replay.json").read_text())["cluster"]
+    assert (case["spec"].prefill, case["spec"].decode) == (cluster["prefill"], cluster["decode"])
+    assert case["spec"].cores == 2
     row = sim_validation.compare(case, load_profile(sim_validation.DEFAULT_PROFILE))
     assert row["real"]["requests"] == row["sim"]["requests"] == len(case["records"])
     assert set(row["errors"]) == set(sim_validation.BOUNDS) and all(e is not None for e in row["errors"].values())
