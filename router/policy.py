@@ -7,9 +7,10 @@
   an approximate, bounded LRU of block hashes per prefill worker), traded against load; decode goes
   to the worker with the most free KV blocks.
 - kv_aware: both pools by the router's exact KV index (router/kv_index.py, fed by the workers' KV
-  events): prefill goes to the worker where the prompt's KV is ready first, by the lowest count of
-  tokens to compute: the prompt's tokens past the leading blocks it holds, plus the uncomputed prompt
-  tokens already sent there and not yet done (`Worker.pending_prefill_tokens`); decode goes to the
+  events): prefill goes to the worker of the lowest `common.prefill_cost`: where the prompt's KV is
+  ready first (the prompt's tokens past the leading blocks it holds, plus the uncomputed prompt tokens
+  already sent there, `Worker.pending_prefill_tokens`), with cached tokens computed again off their
+  holder charged once more per prefill in flight (under load a conversation stays with its KV); decode goes to the
   worker holding the most leading blocks of the prompt (the conversation's earlier turns: reused,
   not moved) when it has room for the rest, else to the one with the most free KV blocks.
 Under least_loaded and prefix_aware the decode choice is free-KV aware.
@@ -25,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from common.block_hash import chain_hashes
 from common.plugins import ROUTING_POLICIES, resolve
+from common.prefill_cost import prefill_cost
 from router.kv_index import KVIndex
 
 if TYPE_CHECKING:  # router.pool builds its policy from here
@@ -98,15 +100,15 @@ class PrefixAware(LeastLoaded):
 
 class KVAware(RoundRobin):
     """Both pools by the exact KV index: cached overlap (tokens needing no compute and no transfer)
-    against the work queued ahead, both in prompt tokens to compute."""
+    against the work queued ahead, both in prompt tokens (common/prefill_cost.py)."""
 
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
         hashes = self.prompt_hashes(prompt_ids)
         held = {w.worker_id: self.usable_tokens(w, hashes) for w in candidates}
         if role == "decode":
             return self._decode(candidates, held, len(prompt_ids))
-        n = len(prompt_ids)
-        return min(candidates, key=lambda w: (w.pending_prefill_tokens + n - held[w.worker_id], w.routed))
+        n, most, in_flight = len(prompt_ids), max(held.values()), sum(w.in_flight for w in candidates)
+        return min(candidates, key=lambda w: (prefill_cost(n, held[w.worker_id], most, w.pending_prefill_tokens, in_flight), w.routed))
 
     def _decode(self, candidates: list[Worker], held: dict[str, int], prompt_tokens: int) -> Worker:
         """The worker holding the most of the prompt, if it has room for the rest; else the most free KV."""

@@ -92,7 +92,7 @@ class Cluster:
             host.workers = self.prefills + self.decodes
         link = profile.link(spec.transport)
         self.links = {w.index: SharedLink(self.loop, link.bytes_per_s * w.tp, link.latency_s) for w in self.prefills}
-        self.dest: dict[int, tuple[Worker, Any]] = {}
+        self.dest: dict[int, tuple[Worker, Any, int]] = {}
         self.queued = 0
         self.threshold = spec.local_prefill_threshold
         self.controller = None
@@ -140,14 +140,16 @@ class Cluster:
         p = self.router.choose("prefill", self.prefills, req)
         p.routed += 1
         p.in_flight += 1
+        work = req.prompt_len - p.held_tokens(req)
+        p.pending_prefill_tokens += work
         req.prefill_worker = p.index
-        self.dest[req.index] = (d, held)
+        self.dest[req.index] = (d, held, work)
         p.enqueue(req, local=False)
 
     # ---- the KV transfer ------------------------------------------------------------------------
     def prefill_done(self, p: Worker, job: Job, now: float) -> None:
         req = job.req
-        d, held = self.dest.pop(req.index)
+        d, held, work = self.dest.pop(req.index)
         nbytes = max(0, req.prompt_len - len(held.keys) * self.block_tokens) * self.profile.kv_bytes_per_token
         req.kv_bytes = float(nbytes)
         link = self.links[p.index]
@@ -155,10 +157,11 @@ class Cluster:
         if self.spec.layerwise:
             layers = self.profile.num_layers
             remaining = max(nbytes / layers, nbytes - link.share() * p.last_step_s * (layers - 1) / layers)
-        link.send(remaining, now, lambda: self._arrived(p, job, d, held))
+        link.send(remaining, now, lambda: self._arrived(p, job, d, held, work))
 
-    def _arrived(self, p: Worker, job: Job, d: Worker, held) -> None:
+    def _arrived(self, p: Worker, job: Job, d: Worker, held, work: int) -> None:
         p.in_flight -= 1
+        p.pending_prefill_tokens -= work
         p.release(job.held)
         d.accept_remote(job.req, held)
 

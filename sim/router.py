@@ -6,7 +6,7 @@ router layer sits above sim/).
 - prefix_aware: prefill where the prompt's leading blocks were sent recently (the router's own bounded
   LRU of keys per worker) minus 4 x load; decode by the most free KV.
 - kv_aware: both pools by the exact index (the workers' pools and tiers, read directly: the router's
-  index is exact at quiescence): prefill by the tokens to compute plus 0.5 x prompt x load; decode to
+  index is exact at quiescence): prefill by common/prefill_cost.py (the router's own rule); decode to
   the worker holding the most leading blocks if it has room for the rest, else the most free KV.
 Ties go to the worker routed to least, then the lowest index.
 """
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
+from common.prefill_cost import prefill_cost
 from sim.workload import SimRequest
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
@@ -63,7 +64,8 @@ class Router:
         n = req.prompt_len
         held = {w.index: w.held_tokens(req) for w in workers}
         if role == "prefill":
-            return min(workers, key=lambda w: ((n - held[w.index]) + 0.5 * n * w.load, w.routed, w.index))
+            most, in_flight = max(held.values()), sum(w.in_flight for w in workers)
+            return min(workers, key=lambda w: (prefill_cost(n, held[w.index], most, w.pending_prefill_tokens, in_flight), w.routed, w.index))
 
         def room(w) -> bool:
             return w.pool.available >= -(-(n + 1 - held[w.index]) // self.bt)

@@ -92,6 +92,8 @@ class Worker:
         self._version = 0
         self.routed = 0
         self.in_flight = 0
+        self.pending_prefill_tokens = 0
+        """router/pool.py Worker.pending_prefill_tokens: prompt tokens sent here to compute, prefill not done."""
         self.busy_s = 0.0
         self.prompt_tokens = 0
         self.preemptions = 0

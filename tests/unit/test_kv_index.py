@@ -414,15 +414,15 @@ def test_kv_aware_prefill_goes_where_the_prompts_kv_is_ready_first():
     a, b = workers("prefill", "a", "b")
     holding(index, "b", hashes[:8])  # b holds 32 of 41 tokens
     assert policy.choose("prefill", [a, b], prompt) is b
-    b.pending_prefill_tokens = 31  # b: 31 queued + 9 = 40 < a: 41
+    # a would compute all 41 tokens and the 32 that b holds are charged once more: 73
+    b.pending_prefill_tokens = 63  # b: 63 queued + 9 = 72 < 73
     assert policy.choose("prefill", [a, b], prompt) is b
-    b.pending_prefill_tokens = 33  # b: 42 > a: 41
+    b.pending_prefill_tokens = 65  # b: 74 > 73: an idle cluster takes where the KV is ready first
     assert policy.choose("prefill", [a, b], prompt) is a
-    b.in_flight = 5  # requests in flight weigh only by their tokens
-    b.pending_prefill_tokens = 0
+    a.in_flight = 1  # one prefill in flight in the pool: b's 32 tokens copied to a cost 41 + 2 x 32 = 105
     assert policy.choose("prefill", [a, b], prompt) is b
+    a.in_flight, b.pending_prefill_tokens = 0, 0
     holding(index, "b", hashes[1:8])  # a chain without its first block is no prefix
-    b.in_flight = 0
     assert policy.choose("prefill", [b, a], prompt) is b  # equal cost: fewer routed first, then order
     a.routed = 1
     assert policy.choose("prefill", [a, b], prompt) is b
@@ -452,7 +452,7 @@ def test_kv_aware_never_counts_the_prompts_last_token_as_cached():
     prompt = list(range(8))  # exactly two blocks: the engine computes the last block again to sample
     a, b = workers("prefill", "a", "b")
     holding(index, "b", chain_hashes(prompt, BS))
-    b.pending_prefill_tokens = 4  # b: 4 queued + (8 - 4) = 8 ties a's 8 (counting both blocks would make b 4)
+    b.pending_prefill_tokens = 8  # b: 8 queued + (8 - 4) = 12 ties a's 8 + 4 b holds (counting both blocks: b 8 < a 16)
     assert policy.choose("prefill", [a, b], prompt) is a
 
 
