@@ -5,8 +5,10 @@ internal channel (common/security.py: TLS and the shared secret when configured)
 Beside the heartbeat, `KVEventReporter` sends the engine's prefix-cache changes (blocks stored and
 evicted, common/block_hash.py) to the router's KV index: numbered batches of the registration's
 epoch (RegisterResponse.epoch; a heartbeat may announce a new one), a snapshot of the whole cache
-first and after any failed send or a gap the router saw, then one batch per heartbeat interval, or
-sooner once many events are pending.
+first and after any failed send or a gap the router saw, then a batch as soon as events are pending
+(the loop looks every `TICK_S`; one batch in flight at a time), and at least one per heartbeat interval.
+The index trails a worker's cache by about a tick plus the engine step that made the change: a
+conversation's next turn finds its earlier turn's blocks even when it follows within a second.
 
 Heartbeats keep time whatever the engine does: the router's KV index drops a worker's entry when one
 heartbeat is missed. The stats they carry are read between engine steps, so a heartbeat waits for fresh
@@ -36,9 +38,6 @@ TICK_S = 0.1
 class KVEventReporter:
     """Sends one engine's KV events to the router, numbered per registration epoch."""
 
-    early_flush_events = 512
-    """Pending events that make a batch go before the heartbeat interval is up."""
-
     def __init__(self, engine, worker_id: str, stub: pb_grpc.RegistryStub):
         """`engine`: has `kv_events(snapshot)` (a BlockEvents) and `pending_kv_events` (engine.AsyncEngine)."""
         self.engine = engine
@@ -57,7 +56,7 @@ class KVEventReporter:
     def due(self, interval_s: float) -> bool:
         if not self.epoch:
             return False  # a router without a KV index
-        return self.snapshot_due or self.engine.pending_kv_events >= self.early_flush_events or time.monotonic() - self.sent_at >= interval_s
+        return self.snapshot_due or self.engine.pending_kv_events > 0 or time.monotonic() - self.sent_at >= interval_s
 
     async def send(self) -> None:
         """Drain and send one batch; a failed send makes the next one a snapshot (the router may or may

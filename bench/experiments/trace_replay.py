@@ -153,34 +153,37 @@ class CpuUse:
     this one (the load generator) and by everything else on the machine (/proc/stat's busy time minus both: other
     users' work, which a shared machine does not stop and which the configurations compared should not differ by)."""
 
-    def __init__(self, pids: list[int]):
+    def __init__(self, pids: dict[str, int]):
+        """`pids`: the cluster's processes by name (router, prefill0, ...); their children count with them."""
         self.pids = pids
         self.start = self._sample()
 
-    def _sample(self) -> tuple[float, float, float, float]:
+    def _sample(self) -> tuple[float, dict[str, float], float, float]:
         import psutil
 
         with open("/proc/stat") as f:
             user, nice, system, _idle, _iowait, irq, softirq = (int(x) for x in f.readline().split()[1:8])
         busy = (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
-        cluster = 0.0
-        for pid in self.pids:
+        processes = dict.fromkeys(self.pids, 0.0)
+        for name, pid in self.pids.items():
             try:
                 root = psutil.Process(pid)
                 for proc in [root, *root.children(recursive=True)]:
                     t = proc.cpu_times()
-                    cluster += t.user + t.system
+                    processes[name] += t.user + t.system
             except psutil.Error:
                 continue
         own = psutil.Process().cpu_times()
-        return busy, cluster, own.user + own.system, time.monotonic()
+        return busy, processes, own.user + own.system, time.monotonic()
 
-    def stop(self) -> dict[str, float]:
-        (busy0, cluster0, own0, t0), (busy1, cluster1, own1, t1) = self.start, self._sample()
+    def stop(self) -> dict[str, Any]:
+        (busy0, processes0, own0, t0), (busy1, processes1, own1, t1) = self.start, self._sample()
         span = max(1e-9, t1 - t0)
-        cluster, own = cluster1 - cluster0, own1 - own0
+        processes = {name: processes1[name] - processes0[name] for name in self.pids}
+        cluster, own = sum(processes.values()), own1 - own0
         return {"cluster": round(cluster / span, 3), "load_generator": round(own / span, 3),
-                "others": round(max(0.0, busy1 - busy0 - cluster - own) / span, 3)}
+                "others": round(max(0.0, busy1 - busy0 - cluster - own) / span, 3),
+                "by_process": {name: round(used / span, 3) for name, used in processes.items()}}
 
 
 def check_fits(cluster: BenchCluster, workload: Workload, args: argparse.Namespace) -> None:
@@ -215,7 +218,8 @@ def run_setup(setup: Setup, base: dict[str, Any], args: argparse.Namespace, prep
         specs = prepare(cluster)
         before = settle(cluster)
         loadavg_before = common.loadavg()
-        cpu = CpuUse([p.pid for p in [cluster.router, *cluster.prefill, *cluster.decode]])
+        cpu = CpuUse({"router": cluster.router.pid} | {f"prefill{i}": p.pid for i, p in enumerate(cluster.prefill)}
+                     | {f"decode{i}": p.pid for i, p in enumerate(cluster.decode)})
         records, duration = replay(cluster.grpc_address, specs)
         cpu_cores = cpu.stop()
         loadavg_after = common.loadavg()

@@ -9,6 +9,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -293,17 +294,20 @@ async def test_registry_refuses_events_of_strangers_and_former_registrations(reg
     assert not (await stub.KVIndex(pb.KVIndexRequest())).workers
 
 
-def test_reporter_sends_early_when_many_events_wait_and_never_without_an_epoch():
+def test_reporter_sends_once_events_wait_and_never_without_an_epoch():
     bm = BlockManager(num_blocks=1024, block_size=1)
     reporter = KVEventReporter(FakeEngine(bm), "p0", stub=None)
     assert not reporter.due(1.0)  # no epoch: a router without an index
     reporter.begin(7)
     assert reporter.due(1.0)  # the snapshot of a new epoch
-    reporter.snapshot_due, reporter.sent_at = False, float("inf")
-    bm.free(run(bm, "a", list(range(reporter.early_flush_events - 1))))
+    reporter.snapshot_due, reporter.sent_at = False, time.monotonic()
+    assert not reporter.due(1.0)  # nothing changed, the interval not up
+    bm.free(run(bm, "a", [1, 2, 3]))
+    assert reporter.due(1.0)  # one stored block is enough: the index should not trail the cache
+    bm.drain_events()
     assert not reporter.due(1.0)
-    bm.free(run(bm, "b", list(range(5000, 5010))))
-    assert reporter.due(1.0)
+    reporter.sent_at = time.monotonic() - 1.0
+    assert reporter.due(1.0)  # and a batch goes every interval even without events
     reporter.begin(7)
     assert reporter.seq == 0 and not reporter.snapshot_due  # the same epoch again changes nothing
 
