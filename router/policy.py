@@ -7,7 +7,7 @@
   an approximate, bounded LRU of block hashes per prefill worker), traded against load; decode goes
   to the worker with the most free KV blocks.
 - kv_aware: both pools by the router's exact KV index (router/kv_index.py, fed by the workers' KV
-  events): prefill goes to the worker of the lowest `common.prefill_cost`: where the prompt's KV is
+  events): prefill goes to the worker of the lowest `common.kv_routing.prefill_cost`: where the prompt's KV is
   ready first (the prompt's tokens past the leading blocks it holds, plus the uncomputed prompt tokens
   already sent there, `Worker.pending_prefill_tokens`), with cached tokens computed again off their
   holder charged once more per prefill in flight (under load a conversation stays with its KV); decode goes to the
@@ -25,8 +25,8 @@ from collections import OrderedDict
 from typing import TYPE_CHECKING
 
 from common.block_hash import chain_hashes
+from common.kv_routing import holder_in_balance, prefill_cost
 from common.plugins import ROUTING_POLICIES, resolve
-from common.prefill_cost import prefill_cost
 from router.kv_index import KVIndex
 
 if TYPE_CHECKING:  # router.pool builds its policy from here
@@ -100,7 +100,7 @@ class PrefixAware(LeastLoaded):
 
 class KVAware(RoundRobin):
     """Both pools by the exact KV index: cached overlap (tokens needing no compute and no transfer)
-    against the work queued ahead, both in prompt tokens (common/prefill_cost.py)."""
+    against the work queued ahead, both in prompt tokens (common/kv_routing.py)."""
 
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
         hashes = self.prompt_hashes(prompt_ids)
@@ -111,12 +111,14 @@ class KVAware(RoundRobin):
         return min(candidates, key=lambda w: (prefill_cost(n, held[w.worker_id], most, w.pending_prefill_tokens, in_flight), w.routed))
 
     def _decode(self, candidates: list[Worker], held: dict[str, int], prompt_tokens: int) -> Worker:
-        """The worker holding the most of the prompt, if it has room for the rest; else the most free KV."""
+        """The worker holding the most of the prompt, if it has room for the rest and is not much busier than
+        the least loaded (`common.kv_routing.holder_in_balance`); else the most free KV."""
         def room(w: Worker) -> bool:
             needed = -(-(prompt_tokens + 1 - held[w.worker_id]) // self.block_size)
             return w.stats is None or not w.stats.total_kv_blocks or w.stats.free_kv_blocks >= needed
 
-        holders = [w for w in candidates if held[w.worker_id] and room(w)]
+        least = min(w.load for w in candidates)
+        holders = [w for w in candidates if held[w.worker_id] and room(w) and holder_in_balance(w.load, least)]
         if not holders:
             return most_free_kv(candidates)
         best = max(held[w.worker_id] for w in holders)

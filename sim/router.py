@@ -6,8 +6,8 @@ router layer sits above sim/).
 - prefix_aware: prefill where the prompt's leading blocks were sent recently (the router's own bounded
   LRU of keys per worker) minus 4 x load; decode by the most free KV.
 - kv_aware: both pools by the exact index (the workers' pools and tiers, read directly: the router's
-  index is exact at quiescence): prefill by common/prefill_cost.py (the router's own rule); decode to
-  the worker holding the most leading blocks if it has room for the rest, else the most free KV.
+  index is exact at quiescence): prefill by common/kv_routing.py (the router's own rules); decode to
+  the worker holding the most leading blocks if it has room for the rest and is in balance, else the most free KV.
 Ties go to the worker routed to least, then the lowest index.
 """
 
@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from common.prefill_cost import prefill_cost
+from common.kv_routing import holder_in_balance, prefill_cost
 from sim.workload import SimRequest
 
 POLICIES = ("round_robin", "least_loaded", "prefix_aware", "kv_aware")
@@ -70,7 +70,8 @@ class Router:
         def room(w) -> bool:
             return w.pool.available >= -(-(n + 1 - held[w.index]) // self.bt)
 
-        holders = [w for w in workers if held[w.index] and room(w)]
+        least = min(w.load for w in workers)
+        holders = [w for w in workers if held[w.index] and room(w) and holder_in_balance(w.load, least)]
         if not holders:
             return most_free_kv(workers)
         best = max(held[w.index] for w in holders)

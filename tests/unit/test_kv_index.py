@@ -432,7 +432,7 @@ def test_kv_aware_prefill_goes_where_the_prompts_kv_is_ready_first():
     assert policy.choose("prefill", [a, b], prompt) is b
 
 
-def test_kv_aware_decode_prefers_the_worker_holding_the_conversation_if_it_has_room():
+def test_kv_aware_decode_prefers_the_worker_holding_the_conversation_if_it_has_room_and_is_in_balance():
     index = KVIndex()
     policy = make_policy("kv_aware", BS, index)
     prompt = list(range(33))
@@ -444,6 +444,15 @@ def test_kv_aware_decode_prefers_the_worker_holding_the_conversation_if_it_has_r
     holding(index, "d1", hashes[:6])
     holding(index, "d2", hashes[:3])
     assert policy.choose("decode", [d0, d1, d2], prompt) is d1  # most leading blocks, though least free
+    d1.in_flight = 1  # one request busier than the least loaded: still in balance
+    assert policy.choose("decode", [d0, d1, d2], prompt) is d1
+    d1.in_flight = 2  # out of balance (load 2 > 0 + 1): the next holder
+    assert policy.choose("decode", [d0, d1, d2], prompt) is d2
+    for w in (d0, d2):
+        w.in_flight = 8  # a quarter of the least load: 8 + 2 = 10 >= d1's 10
+    d1.in_flight = 10
+    assert policy.choose("decode", [d0, d1, d2], prompt) is d1
+    d0.in_flight = d1.in_flight = d2.in_flight = 0
     d1.stats = pb.WorkerStats(free_kv_blocks=1, total_kv_blocks=100)  # no room for the 10 - 6 = 4 blocks left
     assert policy.choose("decode", [d0, d1, d2], prompt) is d2
     index.close("d2")  # d2 left rotation: its blocks no longer count
