@@ -1,10 +1,11 @@
 """kv_aware's two rules, one copy for the router (router/policy.py) and the simulator (sim/router.py).
 
 `prefill_cost`: the price of prefilling a prompt on one worker, in prompt tokens. It is when the
-prompt's KV would be ready there: the prompt tokens already sent to that worker and not yet computed, plus this prompt's tokens past the leading ones the worker holds. A worker that holds
-less of the prompt than the best holder computes the difference again, and that copy is charged once
-more for every prefill in flight in the pool: it is work that the queued prompts wait behind, and cache
-room taken from other conversations. So an idle cluster sends a prompt where it is ready first, and under
+prompt's KV would be ready there: the prompt tokens already sent to that worker and not yet computed,
+plus this prompt's tokens past the leading ones the worker holds. A worker that holds less of the prompt
+than the best holder computes the difference again, and that copy is charged once more for every
+prefill in flight in the pool: it is work that the queued prompts wait behind, and cache room taken
+from other conversations. So an idle cluster sends a prompt where it is ready first, and under
 load a conversation stays with its KV unless its holder is far behind. (In the judging trace replay, with
 only the first two terms, 29 of 304 prompts left the worker holding their conversation and 5,056 cached
 tokens were computed again; with the third, 10 prompts and 560 tokens: reuse 0.80 -> 0.89 of the trace's
