@@ -19,8 +19,9 @@ Lifecycle: the ModelRunner asks `kernel_attends_prompts(...)` once. The answer i
 machine sees a (dtype, head geometry, thread count): prompts of PROMPT_LENGTHS tokens through both paths, the
 paths alternating, each length's best of ROUNDS, the totals compared; then kept next to the kernels' build
 (engine.kernels.keep_measured, as engine.small_matmul's crossovers) and read by every later process.
-Chunks after cached keys are not asked about: SDPA attends those over their gathered context under a mask,
-the kernel as decodes of their own lengths (engine.model_runner decides by their size).
+Chunks after cached keys follow the same answer: where the kernel takes whole prompts it takes them too, as
+rows that read their context in place; elsewhere SDPA attends the long ones over their gathered context under
+a mask and the kernel the short ones (engine.model_runner).
 """
 
 from __future__ import annotations

@@ -38,7 +38,7 @@ def test_whole_prompts_through_either_attention_path_match_hf(demo_model, demo_p
     """engine.prompt_attention picks one path per machine; both must give transformers' tokens."""
     monkeypatch.setattr(prompt_attention, "kernel_attends_prompts", lambda *args: kernel_attends_prompts)
     engine = make_engine(demo_model)
-    assert engine.runner.batched or engine.runner.whole_prompts_apart is not kernel_attends_prompts
+    assert engine.runner.batched or engine.runner.prompts_apart is not kernel_attends_prompts
     _check_against_hf(_run_batch(engine, demo_prompt_ids), demo_prompt_ids, hf_greedy)
     assert_no_leaked_blocks(engine)
 
@@ -59,12 +59,17 @@ def test_forced_preemption_matches_hf(demo_model, demo_prompt_ids, hf_greedy):
     assert_no_leaked_blocks(engine)
 
 
-def test_prefix_cache_reuses_blocks_and_matches_hf(demo_model, hf_greedy):
+@pytest.mark.parametrize("kernel_attends_prompts", [True, False], ids=["chunks-as-kernel-rows", "chunks-through-sdpa"])
+def test_prefix_cache_reuses_blocks_and_matches_hf(demo_model, hf_greedy, monkeypatch, kernel_attends_prompts):
+    """The second prompt's chunk after the cached prefix (over 16 tokens) goes by the machine's measured choice."""
+    monkeypatch.setattr(prompt_attention, "kernel_attends_prompts", lambda *args: kernel_attends_prompts)
     tok = demo_model.tokenizer
     shared = tok("You are a careful assistant. Answer briefly and precisely. " * 8)["input_ids"]
     first = shared + tok(" Question: what is 2 + 2?")["input_ids"]
-    second = shared + tok(" Question: name a colour.")["input_ids"]
+    second = shared + tok(" Question: name a colour that a clear sky has at noon, and one that a ripe lemon has.")["input_ids"]
+    assert len(second) - (len(shared) // 16) * 16 > 16
     engine = make_engine(demo_model)
+    assert engine.runner.batched or engine.runner.prompts_apart is not kernel_attends_prompts
     engine.add_request("first", first, SamplingParams(max_tokens=12))
     run_to_completion(engine)
     assert engine.stats().prefix_hit_tokens == 0
