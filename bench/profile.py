@@ -169,7 +169,7 @@ def measure_tier(args: argparse.Namespace) -> dict[str, float]:
     from bench.experiments.kv_tier import measure as tier_measure
 
     length = 256
-    rows = tier_measure("memory", [length], 1, args.threads, np.random.default_rng(0))[str(length)]
+    rows = tier_measure("memory", [length], 1, args.threads, np.random.default_rng(0), args.dtype)[str(length)]
     return {"kind": "memory", "load_s_per_block": rows["loaded_s"] / (length // BLOCK),
             "measured": rows, "prompt_tokens": length}
 

@@ -3,14 +3,17 @@
 Lifecycle of a request (DESIGN.md's "life of a request", disaggregated):
   arrival -> the router picks a decode worker D (policy); a prompt at or under the local-prefill threshold,
   or any prompt when there is no prefill worker (colocated), is prefilled on D itself. Otherwise D
-  reserves KV blocks for the prompt (its cached leading blocks taken as they are) or the request waits
-  in D's admission queue (backpressure: past `max_queued_requests` waiting, it is rejected, HTTP 429);
+  reserves KV blocks for the prompt (on its engine thread: after the step in progress; its cached leading
+  blocks taken as they are, its tier's next ones loaded) or the request waits in D's admission queue
+  (backpressure: past `max_queued_requests` waiting, it is rejected, HTTP 429);
   then the router picks a prefill worker P, which computes the prompt in its step loop (chunked,
   prefix-cached) and streams the KV of the tokens D lacks over P's link (layer-wise: all but the last
   layer's share moves during the final prefill step, at the link's current share); when the bytes are
   through (plus the link's latency), D emits the first token (TTFT) and decodes the request from its
   next step; P frees its blocks. Finish frees D's blocks (the prompt's stay cached for a later turn).
-Workers on a CPU host (`cores`) share its cores; GPU workers (cores None) each own a device.
+Workers on a CPU host (`cores`) share its cores; GPU workers (cores None) each own a device. With `pinned`,
+each worker is bound to one core (worker i, prefill workers first, to core i mod cores: bench/cluster.py's
+BenchCluster placement), so co-pinned workers share that core alone while another core may idle.
 """
 
 from __future__ import annotations
@@ -46,6 +49,13 @@ class ClusterSpec:
     layerwise: bool = True
     cores: float | None = None
     """CPU cores all workers share (one host); None: each worker has its own device."""
+    pinned: bool = False
+    """With `cores`: every worker bound to one core (worker i to core i mod cores, prefill workers first, as
+    bench/cluster.py pins them), each core a host of its own; False: any worker runs on any core."""
+    pool_order: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    """The router's order of the prefill and of the decode pool (positions -> worker i of that pool; a real
+    router lists its workers as they registered), which round_robin rotates over; None: by index. With
+    `pinned` it decides which requests' prefill and decode share a core."""
     max_queued_requests: int = 256
     block_tokens: int | None = None
     """Tokens per block (a trace block scaled); None: the profile's block size."""
@@ -85,17 +95,32 @@ class Cluster:
         self.budget = spec.max_num_batched_tokens or profile.max_num_batched_tokens
         self.max_num_seqs = spec.max_num_seqs
         self.router = Router(spec.policy, self.block_tokens)
-        host = Host(spec.cores) if spec.cores else None
-        self.prefills = [self._worker(i, "prefill", spec.prefill_tp, host) for i in range(spec.prefill)]
-        self.decodes = [self._worker(spec.prefill + i, "decode", spec.decode_tp, host) for i in range(spec.decode)]
-        if host:
-            host.workers = self.prefills + self.decodes
+        hosts = self._hosts(spec)
+        self.prefills = [self._worker(i, "prefill", spec.prefill_tp, hosts[i % len(hosts)]) for i in range(spec.prefill)]
+        self.decodes = [self._worker(spec.prefill + i, "decode", spec.decode_tp, hosts[(spec.prefill + i) % len(hosts)])
+                        for i in range(spec.decode)]
+        for host in filter(None, hosts):
+            host.workers = [w for w in self.prefills + self.decodes if w.host is host]
+        if spec.pool_order:
+            prefill_order, decode_order = spec.pool_order
+            if sorted(prefill_order) != list(range(spec.prefill)) or sorted(decode_order) != list(range(spec.decode)):
+                raise ValueError(f"pool_order: must order {spec.prefill} prefill and {spec.decode} decode workers, got {spec.pool_order}")
+            self.prefills = [self.prefills[i] for i in prefill_order]
+            self.decodes = [self.decodes[i] for i in decode_order]
         link = profile.link(spec.transport)
         self.links = {w.index: SharedLink(self.loop, link.bytes_per_s * w.tp, link.latency_s) for w in self.prefills}
         self.dest: dict[int, tuple[Worker, Any, int]] = {}
         self.queued = 0
         self.threshold = spec.local_prefill_threshold
         self.controller = None
+
+    @staticmethod
+    def _hosts(spec: ClusterSpec) -> list[Host | None]:
+        if not spec.cores:
+            return [None]
+        if spec.pinned:
+            return [Host(1) for _ in range(max(1, int(spec.cores)))]
+        return [Host(spec.cores)]
 
     def _worker(self, index: int, role: str, tp: int, host) -> Worker:
         blocks = self.spec.kv_blocks or self.profile.kv_capacity_tokens * tp // self.block_tokens
@@ -125,6 +150,13 @@ class Cluster:
         if not self.prefills or req.prompt_len <= self.threshold:
             d.enqueue(req, local=True)
             return
+        if d.busy_at_boundary():
+            d.reserve_at_boundary(req)  # the reservation runs on D's engine thread, between steps
+            return
+        self.admit_remote(req, d)
+
+    def admit_remote(self, req: SimRequest, d: Worker) -> None:
+        """D reserves blocks for the prompt now (at a step boundary, or idle), or queues it (backpressure)."""
         held = None if d.admission else d.reserve(req)
         if held is None:
             if self.queued >= self.spec.max_queued_requests:
@@ -134,7 +166,16 @@ class Cluster:
             d.admission.append(req)
             self.queued += 1
             return
-        self._to_prefill(req, d, held)
+        self._reserved(req, d, held)
+
+    def _reserved(self, req: SimRequest, d: Worker, held) -> None:
+        """The reservation returns once D's engine thread has done its tier work; then the router calls P."""
+        delay = d.run_chores()
+        req.stage_s["decode_admission_s"] = self.loop.now + delay - req.arrival
+        if delay > 0:
+            self.loop.at(self.loop.now + delay, self._to_prefill, req, d, held)
+        else:
+            self._to_prefill(req, d, held)
 
     def _to_prefill(self, req: SimRequest, d: Worker, held) -> None:
         p = self.router.choose("prefill", self.prefills, req)
@@ -153,6 +194,7 @@ class Cluster:
         nbytes = max(0, req.prompt_len - len(held.keys) * self.block_tokens) * self.profile.kv_bytes_per_token
         req.kv_bytes = float(nbytes)
         link = self.links[p.index]
+        req.stage_s["kv_transfer_s"] = -now
         remaining = nbytes
         if self.spec.layerwise:
             layers = self.profile.num_layers
@@ -160,6 +202,7 @@ class Cluster:
         link.send(remaining, now, lambda: self._arrived(p, job, d, held, work))
 
     def _arrived(self, p: Worker, job: Job, d: Worker, held, work: int) -> None:
+        job.req.stage_s["kv_transfer_s"] += self.loop.now
         p.in_flight -= 1
         p.pending_prefill_tokens -= work
         p.release(job.held)
@@ -178,7 +221,7 @@ class Cluster:
                 break
             req = worker.admission.popleft()
             self.queued -= 1
-            self._to_prefill(req, worker, held)
+            self._reserved(req, worker, held)
 
 
 def simulate(spec: ClusterSpec, profile: Profile, requests: list[SimRequest]) -> SimResult:

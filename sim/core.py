@@ -3,7 +3,8 @@
 Lifecycle: a `Loop` owns simulated time; everything happens in callbacks it runs in time order
 (`at(t, fn, *args)`; equal times run in the order they were scheduled, so a run is deterministic).
 A `Host` is a machine whose CPU cores its workers share (a step slows by busy workers / cores when
-more workers than cores are busy; a GPU worker has its own device: no host). A `SharedLink` is one
+more workers than cores are busy; a GPU worker has its own device: no host); workers pinned one core each
+get a `Host(1)` per core, shared only by the workers pinned there. A `SharedLink` is one
 KV link whose concurrent transfers share its rate equally (processor sharing); a transfer also has a
 time before which it cannot end (the last layer's bytes leave after the prefill step that made them).
 """

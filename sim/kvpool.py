@@ -33,6 +33,8 @@ class KVPool:
         self.lru: OrderedDict[int, None] = OrderedDict()
         self.tier_blocks = tier_blocks
         self.tier: OrderedDict[int, None] = OrderedDict()
+        self.stored = 0
+        """Blocks copied out into the tier so far (an evicted key the tier already held is only refreshed)."""
 
     @property
     def available(self) -> int:
@@ -121,6 +123,7 @@ class KVPool:
         while len(self.lru) > self.num_blocks - self.used:
             key, _ = self.lru.popitem(last=False)
             if self.tier_blocks:
+                self.stored += key not in self.tier
                 self.tier[key] = None
                 self.tier.move_to_end(key)
                 if len(self.tier) > self.tier_blocks:

@@ -2,13 +2,26 @@
 
 Lifecycle: `load_profile(path)` reads the JSON once and validates it (errors name the field); the
 simulator then asks it, per step, `prefill_s(chunks)`, `decode_s(batch, context)`, `transfer_s(bytes)`
-(latency + bytes at the link's rate) and `tier_load_s(blocks)`, each for a worker of `tp` ranks.
+(latency + bytes at the link's rate) and `tier_load_s(blocks)` / `tier_store_s(blocks)`, each for a worker
+of `tp` ranks.
 
 Interpolation: bilinear on the measured grids (prefill: new tokens x cached context; decode: batch x
 mean context), linear extrapolation past the last points (a step costs what its nearest two points
-say per token), never below the smallest measured time. A step that prefills several chunks costs the
-grid's time for all its new tokens at zero context plus, per chunk, what its context added
-(t(n_i, c_i) - t(n_i, 0)); decodes in the same step add the decode grid's time for their batch.
+say per token), never below the smallest measured time. The prefill grid's context 0 is a path of its own:
+the engine attends a whole prompt with its prompt kernel and a chunk after cached keys over its context
+gathered from the pool (engine/model_runner.py), so a chunk with any cached context is read from the
+grid's positive contexts alone (extrapolated linearly below the first), never interpolated towards 0.
+A step that prefills several chunks costs the grid's time for all its new tokens at zero context plus,
+per chunk, what its context added (t(n_i, c_i) - t(n_i, 0)); decodes in the same step add what their batch adds to a decode step: the decode
+grid's time less its per-step part (the grid extrapolated to batch 0 along its two smallest batches). The
+engine runs a step as one forward over every packed row (engine/model_runner.py), so the weights, the
+launches and the step's own overhead are paid once, by the prefill part, whose grid already holds them.
+
+Second tier: one block moved between the pool and the tier (loaded back, or copied out when the pool
+evicts it) costs `tier_block_s`: the profile's measured first token of a prompt whose blocks all came
+back from the tier, less the one-token step that computed its last token (the decode grid at batch 1 and
+the prompt's length), per block; a profile without that measurement states `load_s_per_block` only (an
+upper bound: it includes that step).
 
 Tensor parallelism: a profile measured at TP 1 says how TP scales its steps (`tp_scaling`: the
 efficiency e(t) at t ranks, step time / (t x e(t))) and its KV capacity (per rank, so x t); a
@@ -82,7 +95,11 @@ class Profile:
     prefill: Grid
     decode: Grid
     links: dict[str, Link]
+    prefill_after_cache: Grid | None = None
+    """The prefill grid's positive-context columns (a chunk after cached keys); None: the grid has fewer than two."""
     tier_load_s_per_block: float | None = None
+    tier_measured: dict[str, float] = field(default_factory=dict)
+    """The tier section's raw measure: `loaded_s` (first token, every block from the tier), `prompt_tokens`."""
     tp_scaling: dict[int, float] = field(default_factory=lambda: {1: 1.0})
     estimate: bool = False
     source: str = ""
@@ -102,10 +119,26 @@ class Profile:
         t = self.prefill.at(total, 0) if total else 0.0
         for n, c in chunks:
             if c:
-                t += max(0.0, self.prefill.at(n, c) - self.prefill.at(n, 0))
+                t += max(0.0, self.prefill_with_context(n, c) - self.prefill.at(n, 0))
         if decode_batch:
-            t += self.decode.at(decode_batch, decode_context)
+            t += max(0.0, self.decode.at(decode_batch, decode_context) - self.decode_step_part(decode_context))
         return t / self.speedup(tp)
+
+    def prefill_with_context(self, tokens: float, context: float) -> float:
+        """One step of `tokens` new tokens after `context` > 0 cached ones (the chunk-after-cached-keys path)."""
+        if self.prefill_after_cache is None:
+            return self.prefill.at(tokens, context)
+        return max(self.prefill.at(tokens, 0), self.prefill_after_cache.at(tokens, context))
+
+    def decode_step_part(self, context: float) -> float:
+        """What a decode step costs whatever its batch (weights, launches, the step's own overhead): the
+        decode grid extrapolated to batch 0 along its two smallest batches, within [0, the smallest batch's time]."""
+        xs = self.decode.xs
+        if len(xs) < 2:
+            return 0.0
+        t1, t2 = self.decode.at(xs[0], context), self.decode.at(xs[1], context)
+        slope = (t2 - t1) / (xs[1] - xs[0])
+        return min(t1, max(0.0, t1 - slope * xs[0]))
 
     def decode_s(self, batch: int, context: float, tp: int = 1) -> float:
         return self.decode.at(batch, context) / self.speedup(tp)
@@ -121,8 +154,23 @@ class Profile:
             raise ValueError(f"transfer: the profile measured no {transport!r} link (has {sorted(self.links)})")
         return self.links[transport]
 
+    @property
+    def tier_block_s(self) -> float:
+        """One block moved between the pool and the tier (see the module docstring)."""
+        measured = self.tier_measured
+        loaded, tokens = measured.get("loaded_s"), measured.get("prompt_tokens")
+        if loaded and tokens and tokens >= self.block_size:
+            per_block = (loaded - self.decode.at(1, tokens)) / (tokens // self.block_size)
+            if per_block > 0:
+                return per_block
+        return self.tier_load_s_per_block or 0.0
+
     def tier_load_s(self, blocks: int) -> float:
-        return blocks * (self.tier_load_s_per_block or 0.0)
+        return blocks * self.tier_block_s
+
+    def tier_store_s(self, blocks: int) -> float:
+        """Copying `blocks` evicted pool blocks out into the tier (engine/kv_tier.py `save`: on the engine thread)."""
+        return blocks * self.tier_block_s
 
 
 def load_profile(path: str | Path) -> Profile:
@@ -168,11 +216,18 @@ def profile_from_dict(data: dict, path: str = "") -> Profile:
             raise ValueError(f"profile.{key}: must be an integer > 0")
     tier = data.get("tier") or {}
     scaling = {int(k): float(v) for k, v in (data.get("tp_scaling") or {"1": 1.0}).items()}
+    prefill = _grid(data, "prefill", "tokens", "context")
+    cached = [j for j, c in enumerate(prefill.ys) if c > 0]
+    after_cache = (Grid(prefill.xs, [prefill.ys[j] for j in cached], [[row[j] for j in cached] for row in prefill.seconds])
+                   if len(cached) >= 2 and prefill.ys[0] == 0 else None)
     return Profile(model=str(data.get("model", "")), dtype=str(data.get("dtype", "")), device=str(data.get("device", "cpu")),
                    block_size=data["block_size"], num_layers=data["num_layers"], kv_bytes_per_token=data["kv_bytes_per_token"],
-                   kv_capacity_tokens=data["kv_capacity_tokens"],
-                   prefill=_grid(data, "prefill", "tokens", "context"), decode=_grid(data, "decode", "batch", "context"),
-                   links=links, tier_load_s_per_block=tier.get("load_s_per_block"), tp_scaling=scaling,
+                   kv_capacity_tokens=data["kv_capacity_tokens"], prefill=prefill, prefill_after_cache=after_cache,
+                   decode=_grid(data, "decode", "batch", "context"),
+                   links=links, tier_load_s_per_block=tier.get("load_s_per_block"),
+                   tier_measured={"loaded_s": float((tier.get("measured") or {}).get("loaded_s") or 0.0),
+                                  "prompt_tokens": float(tier.get("prompt_tokens") or 0)} if tier.get("measured") else {},
+                   tp_scaling=scaling,
                    estimate=bool(data.get("estimate", False)), source=str(data.get("source", "")), machine=data.get("machine") or {},
                    threads=data.get("threads"), max_num_batched_tokens=int(data.get("max_num_batched_tokens", 2048)), path=path)
 

@@ -8,6 +8,12 @@ is scheduled (the prompt's cached leading blocks pinned, tier blocks loaded, the
 when a decode cannot grow, the latest running request is preempted by recompute (its blocks freed,
 its prompt and answer so far prefilled again here, ahead of later arrivals).
 
+The engine thread (engine/async_engine.py) also runs the front's calls, between steps: a decode worker's
+reservation of blocks for a remote prompt waits for the step in progress to end (`reserve_at_boundary`;
+at once when idle). Work such a call does on the engine thread (blocks loaded from or copied out to the
+second tier) is a chore that the next step starts with (`Step.extra`; a step of chores alone when there
+is nothing else to run); blocks a step's own scheduling moves to or from the tier add to that step.
+
 Aggregated decoding: while a worker only decodes, one event covers the k steps until the first of its
 requests finishes (or its KV runs out): step j costs d0 + slope x j (every context grows by one
 token a step). Anything that would change the batch (a request joining, a prefill queued here, the
@@ -38,6 +44,9 @@ class Job:
     context: int = 0
     todo: int = 0
     load_s: float = 0.0
+    queued_at: float = 0.0
+    started_at: float | None = None
+    """When its first chunk's step began (the end of its prefill queue)."""
 
 
 @dataclass(slots=True)
@@ -57,6 +66,8 @@ class Step:
     k: int = 1
     d0: float = 0.0
     slope: float = 0.0
+    extra: float = 0.0
+    """Seconds at full speed of engine-thread chores the step starts with (tier copies)."""
     factor: float = 1.0
     """How much slower than the profile it runs now (its host's cores shared)."""
     done: float = 0.0
@@ -64,8 +75,8 @@ class Step:
     mark: float = 0.0
 
     def work(self, k: int) -> float:
-        """Seconds at full speed of the first k steps (step j costs d0 + slope x j)."""
-        return k * self.d0 + self.slope * k * (k - 1) / 2
+        """Seconds at full speed of the first k steps (step j costs d0 + slope x j, after the chores)."""
+        return self.extra + k * self.d0 + self.slope * k * (k - 1) / 2
 
     def work_done(self, now: float) -> float:
         return self.done + (now - self.mark) / self.factor
@@ -87,6 +98,10 @@ class Worker:
         self.running: list[Running] = []
         self.admission: deque[SimRequest] = deque()
         """Disaggregated requests routed here that wait for KV blocks (backpressure)."""
+        self.reserving: deque[SimRequest] = deque()
+        """Disaggregated requests routed here whose reservation waits for the step in progress to end."""
+        self.chore_s = 0.0
+        """Engine-thread work (seconds at full speed) the next step starts with."""
         self.incoming = 0
         self.step: Step | None = None
         self._version = 0
@@ -114,17 +129,43 @@ class Worker:
 
     # ---- work coming in -------------------------------------------------------------------------
     def enqueue(self, req: SimRequest, local: bool) -> None:
-        self.waiting.append(Job(req, req.prompt_len, local))
+        self.waiting.append(Job(req, req.prompt_len, local, queued_at=self.loop.now))
         self._cut()
         self.kick()
 
     def reserve(self, req: SimRequest) -> Holding | None:
-        """Blocks for a prompt whose KV will arrive (its cached leading blocks taken as they are)."""
-        hits = self.pool.match(req.keys, (req.prompt_len - 1) // self.bt)
-        held = self.pool.acquire(req.keys, hits, _blocks(req.prompt_len + 1, self.bt) - hits)
-        if held is not None:
-            self.incoming += 1
+        """Blocks for a prompt whose KV will arrive (engine/block_manager.py admit): its leading blocks cached
+        here taken as they are, the ones its tier holds next loaded (their KV need not move either), the rest
+        allocated. The tier's loads and the evictions' copies become a chore of the engine thread."""
+        pool = self.pool
+        limit = (req.prompt_len - 1) // self.bt
+        hits = pool.match(req.keys, limit)
+        tier = pool.tier_match(req.keys, hits, limit) if pool.tier_blocks else 0
+        stored = pool.stored
+        held = pool.acquire(req.keys, hits, _blocks(req.prompt_len + 1, self.bt) - hits)
+        if held is None:
+            return None
+        if tier:
+            pool.commit(held, req.keys[hits:hits + tier])
+        self.chore_s += self.profile.tier_load_s(tier) + self.profile.tier_store_s(pool.stored - stored)
+        self.incoming += 1
         return held
+
+    def busy_at_boundary(self) -> bool:
+        """A front call made now waits for the step in progress (the engine thread runs it between steps)."""
+        return self.step is not None or self._ending
+
+    def reserve_at_boundary(self, req: SimRequest) -> None:
+        self.reserving.append(req)
+        self._cut()
+
+    def run_chores(self) -> float:
+        """Start the chores now if the worker is idle (else the next step starts with them); seconds until
+        they are done, at its host's speed now."""
+        chore = self.chore_s / self.profile.speedup(self.tp)
+        if self.step is None and not self._ending:
+            self.kick()
+        return chore * (self.host.factor() if self.host else 1.0)
 
     def accept_remote(self, req: SimRequest, held: Holding) -> None:
         """The prompt's KV arrived: the first token is out now, and the request decodes from the next step."""
@@ -136,28 +177,34 @@ class Worker:
 
     # ---- the step loop --------------------------------------------------------------------------
     def kick(self) -> None:
-        if self.step is not None or self._ending or not (self.running or self.waiting):
+        if self.step is not None or self._ending or not (self.running or self.waiting or self.chore_s):
             self._set_busy(self.step is not None or self._ending)
             return
         now = self.loop.now
         budget = self.budget
+        stored = self.pool.stored
         decodes = self._grow_decodes(min(budget, self.max_seqs))
         budget -= len(decodes)
         chunks = self._chunks(budget, len(self.running))
-        if not decodes and not chunks:
+        if not decodes and not chunks and not self.chore_s:
             self._set_busy(False)
             return
         self._set_busy(True)
         factor = self.host.factor() if self.host else 1.0
         step = Step(now, decodes, chunks, factor=factor, mark=now)
+        if decodes and not chunks:
+            step.k = self._decode_run(decodes)
+        extra = self.chore_s + self.profile.tier_store_s(self.pool.stored - stored)
+        step.extra, self.chore_s = extra / self.profile.speedup(self.tp), 0.0
         context = sum(r.req.prompt_len + r.req.generated for r in decodes) / len(decodes) if decodes else 0.0
         if chunks:
             base = self.profile.prefill_s([(n, job.context) for job, n in chunks], len(decodes), context, self.tp)
             step.d0 = base + sum(job.load_s for job, _ in chunks)
             for job, _ in chunks:
                 job.load_s = 0.0
-        else:
-            step.k = self._decode_run(decodes)
+                if job.started_at is None:
+                    job.started_at = now
+        elif decodes:
             step.d0 = self.profile.decode_s(len(decodes), context, self.tp)
             step.slope = self.profile.decode_slope(len(decodes), context, self.tp)
         self.step = step
@@ -244,6 +291,8 @@ class Worker:
             if job.todo == 0:
                 self.waiting.remove(job)
                 self._prefilled(job, now)
+        while self.reserving:
+            self.cluster.admit_remote(self.reserving.popleft(), self)
         self._ending = False
         self.kick()
 
@@ -265,6 +314,9 @@ class Worker:
 
     def _prefilled(self, job: Job, now: float) -> None:
         req = job.req
+        if req.first_token is None and job.started_at is not None:
+            req.stage_s.setdefault("prefill_queue_s", job.started_at - job.queued_at)
+            req.stage_s.setdefault("prefill_compute_s", now - job.started_at)
         self.pool.commit(job.held, req.keys)
         if not job.local:
             self.cluster.prefill_done(self, job, now)
@@ -311,11 +363,11 @@ class Worker:
         step = self.step
         if step is None or step.k <= 1:
             return False
-        done = step.work_done(self.loop.now)
+        done = max(0.0, step.work_done(self.loop.now) - step.extra)
         a, b = step.slope / 2, step.d0 - step.slope / 2
         k = done / b if a <= 1e-15 else (-b + math.sqrt(b * b + 4 * a * done)) / (2 * a)
         k = min(step.k, max(1, math.ceil(k - 1e-9)))
-        while k > 1 and step.work(k - 1) >= done:
+        while k > 1 and step.work(k - 1) - step.extra >= done:
             k -= 1
         if k == step.k:
             return False

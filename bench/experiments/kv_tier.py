@@ -42,14 +42,14 @@ def first_token_s(engine, request_id: str, prompt: list[int]) -> float:
     return seconds
 
 
-def measure(kind: str, lengths: list[int], repeats: int, threads: int, rng: np.random.Generator) -> dict[str, Any]:
+def measure(kind: str, lengths: list[int], repeats: int, threads: int, rng: np.random.Generator, dtype: str = "float32") -> dict[str, Any]:
     from common.engine_config import EngineConfig, KVTierConfig
     from engine import Engine
 
     longest = max(lengths) + 1
     pool_blocks = longest // BLOCK + 3  # one prompt's worth: two fillers evict the measured one
     tier = KVTierConfig(kind=kind, budget_mb=4096) if kind != "off" else KVTierConfig()
-    engine = Engine(EngineConfig(model="smollm2-135m", dtype="float32", num_threads=threads, num_kv_blocks=pool_blocks,
+    engine = Engine(EngineConfig(model="smollm2-135m", dtype=dtype, num_threads=threads, num_kv_blocks=pool_blocks,
                                  max_model_len=longest + 8, max_num_batched_tokens=4096, kv_tier=tier))
     vocab = engine.vocab_size
     rows = {}

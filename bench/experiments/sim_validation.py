@@ -2,16 +2,25 @@
 
     python -m bench.experiments.sim_validation [--quick] [--from-results] [--profile P] [--docs]
 
-Two workloads, each run for real and simulated with the profile measured here (sim/profiles/, `pdserve
-profile`; its numbers come from the engine alone, nothing is fitted to these runs):
+Two workloads, each run for real and simulated with a profile measured on the run's machine kind (sim/profiles/,
+`pdserve profile`; its numbers come from the engine alone, nothing is fitted to these runs):
   trace     the scaled Mooncake conversation trace through bench/experiments/trace_replay.py (real
-            router, 1 prefill + 2 decode workers): round_robin and kv_aware
+            router, the run's prefill + decode workers): every setup it ran that the simulator models
+            (round_robin, prefix_aware, kv_aware, kv_aware+tier; not router.kv_pull)
   adaptive  the shifting trace of bench/experiments/adaptive_trace.py (the real Ray deployment):
             colocated (0P+2D), 1p1d, 1p2d
+Each case gets its own profile: the shipped measured one (sim/profiles, estimates excluded) whose CPU kind
+and dtype are the run's (`comparable`; an engine dtype `auto` is what the run's CPU resolves it to);
+`--profile` overrides that for every case. A case no shipped profile matches is simulated with the
+closest one (same CPU kind, else the default) and shown as not comparable, with the reason.
 The simulated cluster is the real one's shape and settings (workers, policy, token budget, max_num_seqs,
-KV blocks per worker, tier, two cores shared by every worker, the tcp link), fed the very requests the
-real run sent (arrival offsets, prompt and answer lengths; for the trace, the prompt's hash ids, so the
-caches see the same reuse). Compared: TTFT p50/p99, ITL p50/p99 (every gap between streamed tokens) and
+KV blocks per worker, tier blocks = the tier's budget / the profile's bytes per block, the tcp link, the two
+cores: the trace replay's workers pinned one core each as bench/cluster.py pins them, the Ray deployment's
+unpinned; a round_robin trace run's decode order read back from its workers' counters), fed the very
+requests the real run sent (arrival offsets, prompt and answer lengths; for the trace, the prompt's hash
+ids, so the caches see the same reuse). Each row also carries the per-request stages (decode admission,
+prefill queue and compute, KV transfer, TTFT) real vs simulated. Compared: TTFT p50/p99, ITL p50/p99 (every
+gap between streamed tokens) and
 goodput (common/slo.py; the runs' own SLOs, per request for the adaptive trace), as relative errors
 (simulated / measured - 1), against the issue's bounds: 15 % on p50s and goodput, 25 % on p99s. Also the
 simulator's pick among the adaptive trace's three shapes (highest goodput) against the real runs' pick.
@@ -19,7 +28,7 @@ simulator's pick among the adaptive trace's three shapes (highest goodput) again
 --from-results compares with the runs already in bench/results (their commit and load are in their files:
 the comparison is only as good as those runs); --quick runs both experiments small (adaptive --quick,
 trace 24 requests) and writes bench/results/quick/sim_validation.json; without either, the experiments run at
-their defaults (about 35-40 minutes on a quiet 2-core machine: trace replay of two configurations ~12 min,
+their defaults (about 35-40 minutes on a quiet 2-core machine: trace replay of four configurations ~13 min,
 three adaptive deployments ~4.5 min of trace each plus start-up) and the table goes to
 bench/results/sim_validation.json (and docs/simulator.md with --docs).
 """
@@ -27,32 +36,45 @@ bench/results/sim_validation.json (and docs/simulator.md with --docs).
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from bench import history
 from bench.experiments import common
 from bench.servebench.metrics import compute_metrics
+from common.engine_config import KVTierConfig
 from common.mooncake import Scale, load_trace, select_window
 from sim.cluster import ClusterSpec, simulate
-from sim.profile import load_profile
+from sim.profile import SHIPPED, Profile, load_profile
+from sim.router import POLICIES
 from sim.workload import SimRequest, chain_keys
 
 NAME = "sim_validation"
 DEFAULT_PROFILE = "cpu_epyc_avx2_smollm2_fp32"
-TRACE_CONFIGS = ("round_robin", "kv_aware")
+"""The profile a case with no matching shipped one (and no CPU-kind match either) is simulated with."""
+TRACE_CONFIGS = ("round_robin", "prefix_aware", "kv_aware", "kv_aware+tier")
+"""The trace replay's setups (bench/trace/setups.py) the simulator models: run for real by this command."""
+STAGES = ("decode_admission_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "ttft_s")
 ADAPTIVE_CONFIGS = {"colocated": (0, 2), "1p1d": (1, 1), "1p2d": (1, 2)}
 BOUNDS = {"ttft_p50": 0.15, "itl_p50": 0.15, "goodput": 0.15, "ttft_p99": 0.25, "itl_p99": 0.25}
 CORES = 2
+TRACE_PINNED = True
+"""The trace replay's workers are pinned one core each, round robin, prefill workers first (bench/cluster.py
+BenchCluster, PDSERVE_BENCH_PIN unset): with 2 prefill + 2 decode on 2 cores, prefill i and decode i share core i.
+The adaptive trace's Ray workers are not pinned (bench/experiments/adaptive_trace.py): any worker, any core."""
 MAX_NUM_SEQS = 64  # bench/cluster.py bench_config's engine
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bench.experiments.sim_validation", description=__doc__.splitlines()[0])
-    p.add_argument("--profile", default=DEFAULT_PROFILE)
+    p.add_argument("--profile", default=None, help="one profile for every case (default: per case, the shipped one of the run's CPU and dtype)")
     p.add_argument("--quick", action="store_true")
     p.add_argument("--from-results", action="store_true", help="compare with the runs already in bench/results (no real run)")
     p.add_argument("--workloads", nargs="+", choices=["trace", "adaptive"], default=["trace", "adaptive"])
@@ -86,17 +108,56 @@ def sim_metrics(summary: dict[str, Any]) -> dict[str, Any]:
 
 
 # ---- cases: (name, spec, requests, real records, slos) -------------------------------------------
-def trace_cases(path: Path, requests_path: Path) -> list[dict[str, Any]]:
+def unsupported(setup: dict[str, Any]) -> str | None:
+    """Why the simulator cannot run a trace replay setup ({"policy", "overrides"}), or None."""
+    if setup.get("policy") not in POLICIES:
+        return f"the simulator has no {setup.get('policy')!r} policy"
+    overrides = setup.get("overrides") or {}
+    if (overrides.get("router") or {}).get("kv_pull"):
+        return "the simulator does not model KV pulls between workers (router.kv_pull)"
+    engine = {k: v for k, v in (overrides.get("engine") or {}).items() if k != "kv_tier"}
+    rest = {k: v for k, v in overrides.items() if k not in ("engine", "router")}
+    router = {k: v for k, v in (overrides.get("router") or {}).items() if k != "kv_pull"}
+    tier = (overrides.get("engine") or {}).get("kv_tier")
+    if engine or rest or router:
+        return f"the simulator does not model these overrides: {json.dumps({**rest, 'engine': engine, 'router': router})}"
+    if tier and tier.get("kind", "memory") != "memory":
+        return f"the simulator models a memory tier only (this one is {tier.get('kind')!r})"
+    return None
+
+
+def round_robin_decode_order(records: list[dict], workers: dict[str, dict], decode: int) -> tuple[int, ...] | None:
+    """The real router's decode pool order in a round_robin run (it lists workers as they registered, which the
+    run does not record), read back from the run: the i-th request routed goes to position i mod D, and each
+    decode worker's generation_tokens counter is the answers it decoded (less their first token, sampled by the
+    prefill worker; the router's 1 % shadow recomputes add a few). The order whose positions' sums are nearest
+    the counters; None when the counters are missing."""
+    counters = [workers.get(f"decode{i}", {}).get("generation_tokens") for i in range(decode)]
+    if decode < 2 or any(c is None for c in counters):
+        return None
+    by_position = [0] * decode
+    for i, rec in enumerate(sorted(records, key=lambda r: r["scheduled_s"])):
+        by_position[i % decode] += max(0, rec["max_tokens"] - 1)
+    return min(itertools.permutations(range(decode)), key=lambda order: sum(abs(counters[w] - by_position[pos]) for pos, w in enumerate(order)))
+
+
+def trace_cases(path: Path, requests_path: Path, configs: tuple[str, ...] = TRACE_CONFIGS) -> tuple[list[dict[str, Any]], dict[str, str]]:
+    """The run's setups among `configs` as cases, and {setup: why not} for the ones it ran that cannot be simulated."""
     run = json.loads(path.read_text())
     raw = json.loads(requests_path.read_text())
     params, window = run["params"], run["trace"]["window"]
     trace = select_window(load_trace(run["trace"]["path"]), window["start_s"], window["end_s"], window["requests"], window["seed"])
     scale = Scale(params["tokens_per_block"], params["output_scale"], max_output=params["max_output"])
     slos = {"ttft": params["slo_ttft"], "tpot": params["slo_tpot"]}
-    cases = []
-    for name in TRACE_CONFIGS:
-        result = run["results"].get(name, {})
+    base = run["cluster"]["base_config"]
+    cases, skipped = [], {}
+    for name, result in run["results"].items():
         if result.get("status") != "ran" or name not in raw:
+            continue
+        setup = result.get("setup") or {"policy": name, "overrides": {}}
+        why = unsupported(setup)
+        if why or name not in configs:
+            skipped[name] = why or "not among this command's configs"
             continue
         records = raw[name]
         reqs = []
@@ -106,13 +167,18 @@ def trace_cases(path: Path, requests_path: Path) -> list[dict[str, Any]]:
                 raise ValueError(f"{requests_path}: request {rec['index']} is not the window's (prompt {rec['prompt_len']} tokens, "
                                  f"window {scale.prompt_len(t)})")
             reqs.append((rec["scheduled_s"], rec["prompt_len"], rec["max_tokens"], chain_keys(t.hash_ids, rec["prompt_len"] // 16)))
-        spec = ClusterSpec(prefill=params["prefill"], decode=params["decode"], policy=name, max_num_batched_tokens=params["budget"],
-                           max_num_seqs=MAX_NUM_SEQS, kv_blocks=run["cluster"]["kv_blocks_per_worker"], cores=CORES,
-                           transport=params["transport"], block_tokens=params["tokens_per_block"], max_queued_requests=512)
+        tier = ((setup.get("overrides") or {}).get("engine") or {}).get("kv_tier") or {}
+        decode_order = round_robin_decode_order(records, result.get("workers") or {}, params["decode"]) if setup["policy"] == "round_robin" else None
+        spec = ClusterSpec(prefill=params["prefill"], decode=params["decode"], policy=setup["policy"], max_num_batched_tokens=params["budget"],
+                           max_num_seqs=base["engine"].get("max_num_seqs", MAX_NUM_SEQS), kv_blocks=run["cluster"]["kv_blocks_per_worker"],
+                           cores=CORES, pinned=TRACE_PINNED, transport=params["transport"], block_tokens=params["tokens_per_block"],
+                           pool_order=(tuple(range(params["prefill"])), decode_order) if decode_order else None,
+                           max_queued_requests=base["router"].get("max_queued_requests", 512))
         cases.append({"workload": "trace", "config": name, "spec": spec, "requests": reqs, "records": records, "slos": slos,
+                      "tier_mb": tier.get("budget_mb", KVTierConfig().budget_mb) if tier else 0,
                       "real_commit": run["machine"].get("git_commit"), "real_loadavg": result.get("loadavg"), "machine": run["machine"],
-                      "dtype": run["cluster"]["base_config"]["engine"].get("dtype")})
-    return cases
+                      "dtype": base["engine"].get("dtype")})
+    return cases, skipped
 
 
 def adaptive_cases(results: Path) -> list[dict[str, Any]]:
@@ -123,14 +189,14 @@ def adaptive_cases(results: Path) -> list[dict[str, Any]]:
             continue
         run = json.loads(path.read_text())
         engine = run["deploy_config"]["engine"]
-        blocks = engine["kv_cache_memory_mb"] * (1 << 20) // (46080 * 16)
         spec = ClusterSpec(prefill=p, decode=d, policy=run["deploy_config"]["router"].get("policy", "round_robin"),
                            max_num_batched_tokens=engine["max_num_batched_tokens"], max_num_seqs=engine.get("max_num_seqs", MAX_NUM_SEQS),
-                           kv_blocks=blocks, cores=CORES, transport=run["deploy_config"]["kv_transfer"]["transport"], block_tokens=16,
+                           cores=CORES, transport=run["deploy_config"]["kv_transfer"]["transport"], block_tokens=16,
                            max_queued_requests=run["deploy_config"]["router"].get("max_queued_requests", 512))
         records = run["requests"]
         reqs = [(r["scheduled_s"], r["prompt_len"], r["max_tokens"], None, r.get("slos_ms")) for r in records]
         cases.append({"workload": "adaptive", "config": name, "spec": spec, "requests": reqs, "records": records,
+                      "kv_cache_mb": engine["kv_cache_memory_mb"],
                       "slos": {"ttft": run["slos_ms"]["ttft"], "tpot": run["slos_ms"]["tpot"]},
                       "real_commit": run["machine"].get("git_commit"), "real_loadavg": run.get("loadavg"), "trace_id": run["trace"]["id"],
                       "machine": run["machine"], "dtype": engine.get("dtype")})
@@ -162,14 +228,62 @@ def comparable(machine: dict[str, Any], dtype: str, profile) -> str | None:
     return None
 
 
-def compare(case: dict[str, Any], profile) -> dict[str, Any]:
+def shipped_profiles() -> list[Profile]:
+    """The measured profiles shipped in sim/profiles (estimates are not of any machine here)."""
+    profiles = [load_profile(path) for path in sorted(SHIPPED.glob("*.json"))]
+    return [p for p in profiles if not p.estimate]
+
+
+def profile_for(case: dict[str, Any], profiles: list[Profile]) -> Profile:
+    """The profile of the run's CPU kind and dtype; without one, the closest (same CPU kind, else the default),
+    which `compare` marks not comparable."""
+    for profile in profiles:
+        if comparable(case["machine"], case["dtype"], profile) is None:
+            return profile
+    for profile in profiles:
+        if "CPU" not in (comparable(case["machine"], case["dtype"], profile) or ""):
+            return profile
+    return next((p for p in profiles if Path(p.path).stem == DEFAULT_PROFILE), None) or load_profile(DEFAULT_PROFILE)
+
+
+def spec_for(case: dict[str, Any], profile: Profile) -> ClusterSpec:
+    """The case's cluster with the sizes that depend on the dtype's bytes per block: the KV pool when the run
+    states megabytes, not blocks, and the tier's blocks (engine/kv_tier.py: budget // bytes per block)."""
+    block_bytes = profile.kv_bytes_per_token * (case["spec"].block_tokens or profile.block_size)
+    changes: dict[str, Any] = {}
+    if case.get("kv_cache_mb"):
+        changes["kv_blocks"] = (case["kv_cache_mb"] << 20) // block_bytes
+    if case.get("tier_mb"):
+        changes["tier_blocks"] = max(1, (case["tier_mb"] << 20) // block_bytes)
+    return replace(case["spec"], **changes)
+
+
+def stage_summary(real: list[dict], simulated: list[dict]) -> dict[str, Any]:
+    """Per-request stages, real (the router's critical path, `server_timings`) vs simulated: mean and p50 in ms."""
+    def stats(values: list[float]) -> dict[str, float] | None:
+        return {"mean": round(float(np.mean(values)) * 1000, 1), "p50": round(float(np.median(values)) * 1000, 1)} if values else None
+
+    out = {}
+    for stage in STAGES:
+        real_values = [r["server_timings"].get(stage, 0.0) for r in real if r.get("server_timings")]
+        sim_values = [s[stage] for s in simulated if s.get(stage) is not None]
+        out[stage] = {"real": stats(real_values), "sim": stats(sim_values)}
+    return out
+
+
+def compare(case: dict[str, Any], profile: Profile) -> dict[str, Any]:
     real = real_metrics(case["records"], case["slos"])
-    result = simulate(case["spec"], profile, sim_requests(case))
+    spec = spec_for(case, profile)
+    requests = sim_requests(case)
+    result = simulate(spec, profile, requests)
     simulated = sim_metrics(result.summary)
     errors = {k: (simulated[k] / real[k] - 1 if real[k] and simulated[k] is not None else None) for k in BOUNDS}
     within = {k: (e is not None and abs(e) <= BOUNDS[k]) for k, e in errors.items()}
-    return {"workload": case["workload"], "config": case["config"], "shape": case["spec"].name(), "policy": case["spec"].policy,
+    sent = [r for r in case["records"] if r.get("sent", True)]
+    return {"workload": case["workload"], "config": case["config"], "shape": spec.name(), "policy": spec.policy,
+            "profile": Path(profile.path).name, "kv_blocks": spec.kv_blocks, "tier_blocks": spec.tier_blocks,
             "real": real, "sim": simulated, "errors": errors, "within": within, "all_within": all(within.values()),
+            "stages_ms": stage_summary(sent, [{**r.stage_s, "ttft_s": r.ttft} for r in requests]),
             "real_commit": case["real_commit"], "real_loadavg": case["real_loadavg"], "sim_wall_s": round(result.wall_s, 3),
             "not_comparable": comparable(case["machine"], case["dtype"], profile)}
 
@@ -192,9 +306,10 @@ def markdown(report: dict[str, Any]) -> str:
     def pct(e):
         return "-" if e is None else f"{e:+.0%}"
 
-    lines = [f"Profile: `{report['profile']}`; real runs: {report['source']}.", "",
-             "| workload | config | TTFT p50 real / sim (err) | TTFT p99 | ITL p50 | ITL p99 | goodput real / sim (err) | within bounds |",
-             "|---|---|---:|---:|---:|---:|---:|---|"]
+    how = "--profile, every case" if report.get("profile_override") else "per case: the run's CPU kind and dtype"
+    lines = [f"Profiles: {', '.join(f'`{p}`' for p in report['profiles'])} ({how}); real runs: {report['source']}.", "",
+             "| workload | config | profile | TTFT p50 real / sim (err) | TTFT p99 | ITL p50 | ITL p99 | goodput real / sim (err) | within bounds |",
+             "|---|---|---|---:|---:|---:|---:|---:|---|"]
     for r in report["rows"]:
         cells = []
         for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
@@ -204,7 +319,9 @@ def markdown(report: dict[str, Any]) -> str:
         ok = "yes" if r["all_within"] else "no: " + ", ".join(k for k, v in r["within"].items() if not v)
         if r["not_comparable"]:
             ok = f"not comparable: {r['not_comparable']}"
-        lines.append(f"| {r['workload']} | {r['config']} | {' | '.join(cells)} | {g} | {ok} |")
+        lines.append(f"| {r['workload']} | {r['config']} | {Path(r['profile']).stem} | {' | '.join(cells)} | {g} | {ok} |")
+    for name, why in (report.get("skipped") or {}).items():
+        lines.append(f"\nNot simulated: trace {name}: {why}.")
     if report.get("picks"):
         p = report["picks"]
         lines += ["", f"Best of the adaptive trace's three shapes by goodput: real {p['real_best']}, simulated {p['sim_best']} "
@@ -225,22 +342,25 @@ def write_doc(text: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     started = time.time()
-    profile = load_profile(args.profile)
+    fixed = load_profile(args.profile) if args.profile else None
+    profiles = shipped_profiles()
     results = common.RESULTS / "quick" if args.quick else common.RESULTS
     if not args.from_results:
         run_real(args, results)
-    cases = []
+    cases, skipped = [], {}
     if "trace" in args.workloads:
         trace_json = results / ("trace_replay.json" if args.from_results else "sim_validation_trace.json")
         if trace_json.exists():
-            cases += trace_cases(trace_json, trace_json.with_name(trace_json.stem + "_requests.json"))
+            found, skipped = trace_cases(trace_json, trace_json.with_name(trace_json.stem + "_requests.json"))
+            cases += found
     if "adaptive" in args.workloads:
         cases += adaptive_cases(results)
-    rows = [compare(c, profile) for c in cases]
+    rows = [compare(c, fixed or profile_for(c, profiles)) for c in cases]
     report = {"experiment": NAME, "command": common.command_line(), "machine": common.finish(common.machine(), started),
-              "profile": Path(profile.path).name, "bounds": BOUNDS,
+              "profiles": sorted({r["profile"] for r in rows}), "profile_override": args.profile, "bounds": BOUNDS,
               "source": "the runs already in bench/results (--from-results)" if args.from_results else "run by this command",
-              "rows": rows, "picks": picks(rows), "all_within": all(r["all_within"] for r in rows if not r["not_comparable"]) if rows else False}
+              "rows": rows, "skipped": skipped, "picks": picks(rows),
+              "all_within": all(r["all_within"] for r in rows if not r["not_comparable"]) if rows else False}
     report["markdown"] = markdown(report)
     out = history.record(results / f"{NAME}.json", json.loads(json.dumps(report, default=str)))
     print(report["markdown"])
