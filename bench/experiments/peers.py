@@ -105,6 +105,22 @@ def write_docs(report: dict[str, Any]) -> None:
     peers_report.upsert_row(DOCS / "benchmarks.md", peers_report.table_row(report))
 
 
+def carry_other_half(report: dict[str, Any], previous_path: Path) -> None:
+    """With --only, the half not run comes from the last full-mode result (`previous_path`), marked as such with its
+    own command, commit and date, so that the page keeps both halves without pretending they are one run."""
+    if not previous_path.exists():
+        return
+    previous = json.loads(previous_path.read_text())
+    carried = dict(previous.get("carried", {}))
+    for half in ("offline", "serving"):
+        if half in report or half not in previous:
+            continue
+        report[half] = previous[half]
+        report.setdefault("carried", {})[half] = carried.get(half) or {
+            "command": previous["command"], "commit": previous["versions"]["pdserve_commit"], "date": previous["date"],
+            "machine": previous["machine"].get("cpu_features")}
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if a.docs_only:
@@ -129,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
         common.save("peers", report, history=False)  # the half that is done survives a failure in the other
     if a.only in (None, "serving"):
         report["serving"] = run_serving_half(a, peer, model_dir, workdir)
+    if a.only and not a.quick:
+        carry_other_half(report, common.RESULTS / "peers.json")
     report["verdict"] = peers_report.verdict(report)
     common.finish(info, started)
     report["plot"] = common.save_figure(peers_report.plot(report, common.pyplot()), "peers.png")

