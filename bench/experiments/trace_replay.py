@@ -28,7 +28,8 @@ blocks) and of the bound with the pool's capacity (one LRU cache of one worker's
 to it), KV bytes moved per request (received by any worker), the router's `cached_prompt_tokens`, TTFT
 p50/p99, ITL p99, TPOT and goodput (requests meeting TTFT <= --slo-ttft and TPOT <= --slo-tpot per second
 of the run). Writes --out (JSON; the raw per-request stamps next to it, *_requests.json) and a PNG plot;
---docs rewrites the generated block of docs/trace_replay.md.
+--docs rewrites the generated block of docs/trace_replay.md. --rescore sends nothing: it scores the run already at
+--out again under other SLOs (same requests, same counters) and says so in the JSON (`rescored`).
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ HEARTBEAT_TIMEOUT_S = 30.0
 """router.heartbeat_timeout_s of every cluster: at the default 5 s, workers busy with seconds-long prefill steps on
 a shared 2-core machine missed heartbeats, left rotation (requests failed: no healthy prefill worker) and their
 KV index entries were dropped, which a benchmark of routing should not measure."""
+SLO_TTFT_MS = 2000.0
+"""The replay's TTFT SLO. The window's median prompt prefills alone in ~0.3 s here (bf16, sim/profiles), its longest
+in ~1 s, so 2 s is ~6x the median's unloaded TTFT, an SLO scale of the kind serving evaluations set. At 6 s (the
+default until the run at 83e0341) every configuration met it on 94-100 % of the requests and goodput only restated
+the offered rate; the report also scores goodput over a range of TTFT SLOs (bench/trace/report.py)."""
 COUNTERS = ("prompt_tokens", "kv_bytes_sent", "kv_bytes_received", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
             "preemptions", "generation_tokens")
 
@@ -254,18 +260,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=128, help="KV pool per worker (MB)")
     p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
-    p.add_argument("--slo-ttft", type=float, default=6000.0, help="TTFT SLO (ms)")
+    p.add_argument("--slo-ttft", type=float, default=SLO_TTFT_MS, help="TTFT SLO (ms)")
     p.add_argument("--slo-tpot", type=float, default=250.0, help="TPOT SLO (ms)")
     p.add_argument("--warmup", type=int, default=4)
     p.add_argument("--seed", type=int, default=0, help="conversation order and token ids")
     p.add_argument("--out", default=str(DEFAULT_OUT), help="the JSON result (the plot: same name, .png)")
     p.add_argument("--docs", action="store_true", help="rewrite the generated block of docs/trace_replay.md")
+    p.add_argument("--rescore", action="store_true",
+                   help="run nothing: score the run already at --out (its *_requests.json too) again with these --slo-ttft/--slo-tpot")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     common.setup_logging()
+    if args.rescore:
+        return rescore(Path(args.out), {"ttft": args.slo_ttft, "tpot": args.slo_tpot}, args.docs, argv)
     info, started = common.machine(), time.time()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -350,6 +360,28 @@ def summarize(results: dict[str, dict], plan: dict[str, Any], scale: Scale, base
                     "block_size": args.tokens_per_block, "base_config": base},
         "results": results, "vs_round_robin": comparisons, "acceptance": acceptance(results, comparisons),
     }
+
+
+def rescore(out: Path, slos: dict[str, float], docs: bool, argv: list[str] | None) -> int:
+    """The run at `out` scored again under `slos` from its own per-request stamps and counters (no request is sent):
+    its metrics, the comparison with round_robin and the acceptance are rewritten, the run's command, commit and
+    machine kept, and `rescored` says with which command and SLOs."""
+    report = json.loads(out.read_text())
+    requests = json.loads(out.with_name(out.stem + "_requests.json").read_text())
+    bound = report["trace"]["reuse_bound"]
+    for name, result in report["results"].items():
+        if name in requests:
+            result["metrics"] = score({**result, "requests": requests[name]}, bound, slos)
+    report["slos_ms"], report["params"]["slo_ttft"], report["params"]["slo_tpot"] = slos, slos["ttft"], slos["tpot"]
+    report["vs_round_robin"] = compare(report["results"])
+    report["acceptance"] = acceptance(report["results"], report["vs_round_robin"])
+    report["rescored"] = {"command": "pdserve bench trace " + shlex.join(sys.argv[1:] if argv is None else argv),
+                          "slos_ms": slos, "at": time.strftime("%Y-%m-%dT%H:%MZ", time.gmtime())}
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    if docs:
+        common.replace_doc_block(DOC, BEGIN, END, markdown(report))
+    print(f"rescored {out} with TTFT <= {slos['ttft']:g} ms, TPOT <= {slos['tpot']:g} ms: {report['acceptance']}", file=sys.stderr)
+    return 0
 
 
 def _relative(path: Path) -> str:

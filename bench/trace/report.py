@@ -14,8 +14,12 @@ import numpy as np
 from bench import serve
 from bench.experiments import common
 
-
 # ---- scoring -----------------------------------------------------------------------------------
+TTFT_SLO_SWEEP_MS = (500, 1000, 2000, 3000, 6000)
+"""Goodput is also scored at these TTFT SLOs (with the run's TPOT SLO): whether a configuration's goodput leads
+depends on how tight the SLO is, so the report shows the whole range, not only the run's own pick."""
+
+
 def score(result: dict[str, Any], bound: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
     records, workers = result["requests"], result["workers"]
     m = serve.compute_metrics(records, result["duration_s"], slos)
@@ -38,6 +42,8 @@ def score(result: dict[str, Any], bound: dict[str, Any], slos: dict[str, float])
         "tpot_ms": {"p50": m["tpot_ms"]["median"], "p99": m["tpot_ms"]["p99"]},
         "itl_ms": {"p50": m["itl_ms"]["median"], "p99": m["itl_ms"]["p99"]},
         "goodput": m["goodput"], "good_requests": m["good_requests"], "request_throughput": m["request_throughput"],
+        "goodput_by_ttft_slo": {str(ttft): serve.compute_metrics(records, result["duration_s"], {**slos, "ttft": float(ttft)})["goodput"]
+                                for ttft in TTFT_SLO_SWEEP_MS},
     }
 
 
@@ -115,7 +121,9 @@ def markdown(report: dict[str, Any]) -> str:
 
     t, c = report["trace"], report["cluster"]
     b = t["reuse_bound"]
-    lines = [BEGIN, "", machine_line(report), "", f"Command: `{report['command']}`", "",
+    rescored = report.get("rescored")
+    lines = [BEGIN, "", machine_line(report), "", f"Command: `{report['command']}`"
+             + (f"; scored again at {rescored['at']} under other SLOs: `{rescored['command']}`" if rescored else ""), "",
              f"Window: {t['window']['requests']} requests ({t['window']['conversations']} conversations) of `{t['path']}` from trace time "
              f"{t['window']['start_s']:g} s to {t['window']['end_s'] or 'the end'}; {t['scale']['tokens_per_block']} tokens per 512-token "
              f"block; {t['prompt_tokens']} prompt tokens, answers {t['output_tokens']} tokens. Arrivals at {t['time']['rate']:.3f} req/s "
@@ -140,6 +148,7 @@ def markdown(report: dict[str, Any]) -> str:
                      f"| {fmt(m['kv_bytes_moved_per_request'] / 1e6, 2)} | {fmt(m['ttft_ms']['p50'], 0)} / {fmt(m['ttft_ms']['p99'], 0)} "
                      f"| {fmt(m['itl_ms']['p99'], 0)} | {fmt(m['goodput'], 3)} | {m['good_requests']}/{m['sent']} ({m['failed']}) | {vs_cell} "
                      f"| {cores(r.get('cpu_cores'))} |")
+    lines += ["", *goodput_sweep(report)]
     a = report["acceptance"]
     lines += ["", f"Acceptance ({a.get('config', 'kv_aware+tier')}): "
               + (("met" if a["met"] else "NOT met") + " " + json.dumps(a["checks"]) if a["evaluated"] else f"not evaluated: {a['why']}"),
@@ -150,3 +159,23 @@ def markdown(report: dict[str, Any]) -> str:
 def cores(cpu: dict[str, float] | None) -> str:
     """The cluster's and everyone else's cores' worth of CPU during the replay ("" for runs that did not measure it)."""
     return f"{cpu['cluster']:.2f} / {cpu['others']:.2f}" if cpu else ""
+
+
+def goodput_sweep(report: dict[str, Any]) -> list[str]:
+    """The table of goodput at each TTFT SLO of the sweep (same requests, the run's TPOT SLO), with the ratio to
+    round_robin."""
+    ran = {n: r["metrics"] for n, r in report["results"].items() if r.get("metrics") and "goodput_by_ttft_slo" in r["metrics"]}
+    if not ran:
+        return []
+    slos = list(next(iter(ran.values()))["goodput_by_ttft_slo"])
+    base = ran.get("round_robin", {}).get("goodput_by_ttft_slo", {})
+    lines = [f"Goodput (req/s) of the same requests at other TTFT SLOs (TPOT <= {report['slos_ms']['tpot']:g} ms), "
+             "and its ratio to round_robin:", "",
+             "| config | " + " | ".join(f"TTFT <= {int(s) / 1000:g} s" for s in slos) + " |", "|---|" + "---:|" * len(slos)]
+    for name, m in ran.items():
+        cells = []
+        for s in slos:
+            g, b = m["goodput_by_ttft_slo"][s], base.get(s)
+            cells.append(f"{g:.2f}" + (f" ({g / b:.2f}x)" if b and name != "round_robin" else ""))
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    return lines

@@ -150,6 +150,8 @@ def test_score_counts_computed_tokens_bytes_and_goodput_and_compares_with_round_
     assert (m["of_reuse_bound"], m["of_capacity_bound"]) == (0.5, 1.0)
     assert (m["kv_bytes_moved_per_request"], m["kv_bytes_sent_per_request"], m["router_cached_prompt_tokens"]) == (800 / 3, 300, 24)
     assert (m["good_requests"], m["goodput"], m["preemptions"]) == (1, 0.25, 1)
+    # the sweep: TTFT 1 s and 3 s (both within TPOT 100 ms: gaps of 50 ms) meet an SLO of 3 s and 6 s, only 1 s meets 1 s and 2 s
+    assert m["goodput_by_ttft_slo"] == {"500": 0.0, "1000": 0.25, "2000": 0.25, "3000": 0.5, "6000": 0.5}
     fast = report.score({**base, "requests": [record(0, 0.5), record(1, 1.0), failed]}, bound, {"ttft": 2000, "tpot": 100})
     results = {"round_robin": {"metrics": m}, "kv_aware+tier": {"metrics": fast}, "kv_aware": {"status": "not available: x"}}
     vs = report.compare(results)
@@ -160,3 +162,31 @@ def test_score_counts_computed_tokens_bytes_and_goodput_and_compares_with_round_
     assert not verdict["met"]
     assert not report.acceptance({"round_robin": {"metrics": m}}, {})["evaluated"]
     json.dumps(verdict)
+    sweep = report.goodput_sweep({"results": results, "slos_ms": {"ttft": 2000, "tpot": 100}})
+    assert sweep[2] == "| config | TTFT <= 0.5 s | TTFT <= 1 s | TTFT <= 2 s | TTFT <= 3 s | TTFT <= 6 s |"
+    assert sweep[4] == "| round_robin | 0.00 | 0.25 | 0.25 | 0.50 | 0.50 |"
+    assert sweep[5] == "| kv_aware+tier | 0.25 | 0.50 (2.00x) | 0.50 (2.00x) | 0.50 (1.00x) | 0.50 (1.00x) |"
+
+
+def test_rescore_scores_the_saved_run_again_under_other_slos_and_says_so(tmp_path):
+    from bench.experiments import trace_replay
+
+    workers = {"prefill0": {"prompt_tokens": 60, "kv_bytes_received": 0, "kv_bytes_sent": 900, "prefix_cache_hit_tokens": 20,
+                            "preemptions": 0}}
+    bound = {"unbounded": {"tokens": 0.5}, "pool_capacity": {"tokens": 0.25}}
+    slow, fast = [record(0, 1.0), record(1, 3.0)], [record(0, 0.5), record(1, 1.0)]
+    results = {"round_robin": {"status": "ran", "workers": workers, "duration_s": 4.0},
+               "kv_aware+tier": {"status": "ran", "workers": workers, "duration_s": 4.0}}
+    for name, reqs in (("round_robin", slow), ("kv_aware+tier", fast)):
+        results[name]["metrics"] = report.score({**results[name], "requests": reqs}, bound, {"ttft": 6000, "tpot": 100})
+    out = tmp_path / "trace_replay.json"
+    out.write_text(json.dumps({"command": "pdserve bench trace", "trace": {"reuse_bound": bound}, "params": {"slo_ttft": 6000, "slo_tpot": 100},
+                               "slos_ms": {"ttft": 6000, "tpot": 100}, "results": results}))
+    (tmp_path / "trace_replay_requests.json").write_text(json.dumps({"round_robin": slow, "kv_aware+tier": fast}))
+    assert json.loads(out.read_text())["results"]["kv_aware+tier"]["metrics"]["goodput"] == 0.5
+    assert trace_replay.main(["--rescore", "--out", str(out), "--slo-ttft", "2000"]) == 0
+    again = json.loads(out.read_text())
+    assert again["slos_ms"] == {"ttft": 2000.0, "tpot": 250.0} and again["rescored"]["slos_ms"]["ttft"] == 2000.0
+    assert again["results"]["round_robin"]["metrics"]["goodput"] == 0.25  # TTFT 3 s no longer meets the SLO
+    assert again["vs_round_robin"]["kv_aware+tier"]["goodput_ratio"] == 2.0 and again["command"] == "pdserve bench trace"
+    assert again["acceptance"]["checks"]["goodput >= 1.3x"]
