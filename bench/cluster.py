@@ -158,10 +158,12 @@ def _taskset() -> str:
 
 
 def write_config(path: Path, transport: str = "ucx", **sections) -> Path:
-    """The tests' config file: demo model in float32, a small KV pool, one torch thread."""
+    """The tests' config file: demo model in float32, a small KV pool, one torch thread, KV streamed layer by layer
+    (what a GPU deployment does; tests/integration/test_conversation_reuse.py also runs the CPU default, after the
+    prompt)."""
     config = {
         "engine": {"model": "smollm2-135m", "dtype": "float32", "kv_cache_memory_mb": 128, "max_num_batched_tokens": 1024, "num_threads": 1},
-        "kv_transfer": {"transport": transport, "timeout_s": 20},
+        "kv_transfer": {"transport": transport, "timeout_s": 20, "layerwise": True},
         "router": {"max_queued_requests": 64},
     }
     for key, value in sections.items():
@@ -176,7 +178,7 @@ def bench_config(transport: str = "tcp", **sections: dict[str, Any]) -> dict[str
         "model_name": "smollm2-135m",
         "engine": {"model": "smollm2-135m", "kv_cache_memory_mb": 256, "max_num_batched_tokens": 2048,
                    "max_num_seqs": 64, "num_threads": 1, "enable_chunked_prefill": True, "enable_prefix_caching": True},
-        "kv_transfer": {"transport": transport, "host": "127.0.0.1", "layerwise": True, "timeout_s": 60},
+        "kv_transfer": {"transport": transport, "host": "127.0.0.1", "timeout_s": 60},
         "router": {"host": "127.0.0.1", "max_queued_requests": 512, "request_timeout_s": 600},
     }
     for key, value in sections.items():

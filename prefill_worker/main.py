@@ -33,7 +33,7 @@ ROLE = "prefill"
 
 async def build(config: PdserveConfig, args: argparse.Namespace, worker_id: str, security: Security) -> WorkerParts:
     fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
-    streamer = LayerStreamer(fault_point) if config.kv_transfer.layerwise else None
+    streamer = LayerStreamer(fault_point) if config.kv_transfer.streams_layerwise(config.engine_for(ROLE).device) else None
     ranks = (AGENT, RankSettings(config.kv_transfer, security.kv_secret))
     engine = AsyncEngine(Engine(config.engine_for(ROLE), kv_sink=streamer, rank_agent=ranks, rank_launcher=args.rank_launcher),
                          on_fatal=lose_worker)

@@ -42,7 +42,7 @@ def builder(role: str):
         # whatever role it starts in, its KV receiver listens from the start
         security.require_secret_for([config.kv_transfer.host], config.security.allow_unauthenticated, f"role worker {worker_id}")
         fault_point = FaultPoint.from_env()  # test hook, read once here: PDSERVE_TEST_FAULT_POINT
-        streamer = LayerStreamer(fault_point) if config.kv_transfer.layerwise else None
+        streamer = LayerStreamer(fault_point) if config.kv_transfer.streams_layerwise(config.engine_for(role).device) else None
         engine = AsyncEngine(Engine(config.engine_for(role), kv_sink=streamer), on_fatal=lose_worker)
         engine.start()
         every = {"prefill": await prefill_parts(config, engine, worker_id, security, streamer, fault_point),

@@ -1,7 +1,7 @@
 """A multi-turn conversation through router, prefill and decode worker processes: the decode worker
 holds the conversation's earlier turns, so each turn moves only the KV of what is new (at most its new
 tokens and one block), `cached_tokens` reports the prefill worker's reuse on both APIs, and every turn's
-greedy tokens equal HF's."""
+greedy tokens equal HF's; with the KV streamed layer by layer and sent after the prompt."""
 
 from __future__ import annotations
 
@@ -25,10 +25,11 @@ USER_TURNS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["layerwise", "after-prompt"])
+def cluster(request, tmp_path_factory):
+    """Both ways the prefill worker hands the KV over: layer by layer (GPU default), after the prompt (CPU default)."""
     config = write_config(tmp_path_factory.mktemp("conversation") / "pdserve.yaml", transport="ucx",
-                          engine={"block_size": BLOCK}, router={"local_prefill_threshold": 0})
+                          engine={"block_size": BLOCK}, router={"local_prefill_threshold": 0}, kv_transfer={"layerwise": request.param})
     with LocalCluster(config, num_prefill=1, num_decode=1) as c:
         yield c
 

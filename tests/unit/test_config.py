@@ -26,6 +26,7 @@ def test_default_config_loads():
         ({"engine": {"max_num_seqs": 0}}, "engine.max_num_seqs"),
         ({"engine": {"dtype": "fp8"}}, "engine.dtype"),
         ({"kv_transfer": {"transport": "carrier-pigeon"}}, "kv_transfer.transport"),
+        ({"kv_transfer": {"layerwise": "yes"}}, "kv_transfer.layerwise"),
         ({"router": {"grpc_port": 70000}}, "router.grpc_port"),
         ({"router": {"policy": "random"}}, "router.policy"),
         ({"pools": {"decode": {"replicas": -1}}}, "pools.decode.replicas"),
@@ -41,6 +42,14 @@ def test_bad_config_names_the_field(data, field):
         config_from_dict(data)
     assert info.value.field == field, str(info.value)
     assert field in str(info.value)
+
+
+def test_layerwise_kv_follows_the_device_unless_set():
+    by_device = config_from_dict({}).kv_transfer
+    assert by_device.layerwise is None and load_config().kv_transfer.layerwise is None
+    assert by_device.streams_layerwise("cuda:0") and not by_device.streams_layerwise("cpu")
+    forced = config_from_dict({"kv_transfer": {"layerwise": True}}).kv_transfer
+    assert forced.streams_layerwise("cpu") and not config_from_dict({"kv_transfer": {"layerwise": False}}).kv_transfer.streams_layerwise("cuda")
 
 
 def test_bad_yaml_is_reported(tmp_path):
