@@ -49,6 +49,7 @@ import numpy as np
 from bench import history
 from bench.experiments import common
 from bench.servebench.metrics import compute_metrics
+from common.config import KVTransferConfig
 from common.engine_config import KVTierConfig
 from common.mooncake import Scale, load_trace, select_window
 from sim.cluster import ClusterSpec, simulate
@@ -173,7 +174,8 @@ def trace_cases(path: Path, requests_path: Path, configs: tuple[str, ...] = TRAC
                            max_num_seqs=base["engine"].get("max_num_seqs", MAX_NUM_SEQS), kv_blocks=run["cluster"]["kv_blocks_per_worker"],
                            cores=CORES, pinned=TRACE_PINNED, transport=params["transport"], block_tokens=params["tokens_per_block"],
                            pool_order=(tuple(range(params["prefill"])), decode_order) if decode_order else None,
-                           max_queued_requests=base["router"].get("max_queued_requests", 512))
+                           max_queued_requests=base["router"].get("max_queued_requests", 512),
+                           layerwise=streamed_layerwise(base["kv_transfer"]))
         cases.append({"workload": "trace", "config": name, "spec": spec, "requests": reqs, "records": records, "slos": slos,
                       "tier_mb": tier.get("budget_mb", KVTierConfig().budget_mb) if tier else 0,
                       "real_commit": run["machine"].get("git_commit"), "real_loadavg": result.get("loadavg"), "machine": run["machine"],
@@ -192,7 +194,8 @@ def adaptive_cases(results: Path) -> list[dict[str, Any]]:
         spec = ClusterSpec(prefill=p, decode=d, policy=run["deploy_config"]["router"].get("policy", "round_robin"),
                            max_num_batched_tokens=engine["max_num_batched_tokens"], max_num_seqs=engine.get("max_num_seqs", MAX_NUM_SEQS),
                            cores=CORES, transport=run["deploy_config"]["kv_transfer"]["transport"], block_tokens=16,
-                           max_queued_requests=run["deploy_config"]["router"].get("max_queued_requests", 512))
+                           max_queued_requests=run["deploy_config"]["router"].get("max_queued_requests", 512),
+                           layerwise=streamed_layerwise(run["deploy_config"]["kv_transfer"]))
         records = run["requests"]
         reqs = [(r["scheduled_s"], r["prompt_len"], r["max_tokens"], None, r.get("slos_ms")) for r in records]
         cases.append({"workload": "adaptive", "config": name, "spec": spec, "requests": reqs, "records": records,
@@ -204,6 +207,11 @@ def adaptive_cases(results: Path) -> list[dict[str, Any]]:
     if len(ids) > 1:
         raise ValueError(f"the adaptive runs in {results} are of different traces ({sorted(ids)}): rerun them together")
     return cases
+
+
+def streamed_layerwise(kv_transfer: dict[str, Any]) -> bool:
+    """Whether the run's CPU prefill workers streamed KV layer by layer (its `kv_transfer` section; unset: by device)."""
+    return KVTransferConfig(layerwise=kv_transfer.get("layerwise")).streams_layerwise("cpu")
 
 
 def sim_requests(case: dict[str, Any]) -> list[SimRequest]:

@@ -96,3 +96,8 @@ def test_a_round_robin_runs_decode_order_is_read_from_its_counters():
     assert sim_validation.round_robin_decode_order(records, workers, 2) == (1, 0)
     assert sim_validation.round_robin_decode_order(records, {"decode0": {"generation_tokens": 30}, "decode1": {"generation_tokens": 6}}, 2) == (0, 1)
     assert sim_validation.round_robin_decode_order(records, {}, 2) is None
+
+
+def test_the_simulated_kv_hand_over_is_the_runs():
+    assert not sim_validation.streamed_layerwise({"transport": "tcp"})  # unset: after the prompt on a CPU
+    assert sim_validation.streamed_layerwise({"layerwise": True}) and not sim_validation.streamed_layerwise({"layerwise": False})
