@@ -31,11 +31,11 @@ class PrefixCacheStats:
 class SecondTier(Protocol):
     """Where evicted cached blocks go (engine.kv_tier.KVTier): it copies KV, the BlockManager never does."""
 
-    def save(self, block_id: int, block_hash: int) -> None: ...
+    def save(self, evicted: list[tuple[int, int]]) -> None: ...
 
     def loadable(self, hashes: list[int]) -> int: ...
 
-    def load(self, block_id: int, block_hash: int) -> bool: ...
+    def load(self, pairs: list[tuple[int, int]]) -> int: ...
 
 
 class BlockManager:
@@ -96,7 +96,7 @@ class BlockManager:
             return None
         for block in cached:
             self._take(block)
-        fresh = [self._pop_free() for _ in range(fresh_needed)]
+        fresh = self._pop_free(fresh_needed)
         hashes = [self._block_hash[b] for b in cached] + self._load_from_tier(fresh, in_tier)
         seq.block_ids = cached + fresh
         cached_tokens = len(hashes) * self.block_size
@@ -116,7 +116,7 @@ class BlockManager:
             return True
         if missing > self.num_free_blocks:
             return False
-        seq.block_ids.extend(self._pop_free() for _ in range(missing))
+        seq.block_ids.extend(self._pop_free(missing))
         self._seq_hashes.setdefault(seq.request_id, [])
         return True
 
@@ -234,11 +234,10 @@ class BlockManager:
     def _load_from_tier(self, fresh: list[int], in_tier: list[int]) -> list[int]:
         """Load `in_tier` into the first fresh blocks and publish them; the hashes that loaded (a missing or
         corrupt entry ends the run: that block and the rest are computed)."""
-        loaded = []
-        for block, h in zip(fresh, in_tier):
-            if not self.tier.load(block, h):
-                break
-            loaded.append(h)
+        if not in_tier:
+            return []
+        loaded = in_tier[: self.tier.load(list(zip(fresh, in_tier)))]
+        for block, h in zip(fresh, loaded):
             if h not in self._cached:
                 self._cached[h] = block
                 self._block_hash[block] = h
@@ -254,13 +253,19 @@ class BlockManager:
             del self._free[block]
         self._ref_counts[block] += 1
 
-    def _pop_free(self) -> int:
-        block, _ = self._free.popitem(last=False)
-        h = self._block_hash.pop(block, None)
-        if h is not None and self._cached.get(h) == block:
-            del self._cached[h]
-            self._record(False, h)
-            if self.tier is not None:
-                self.tier.save(block, h)  # before anything writes into the block
-        self._ref_counts[block] = 1
-        return block
+    def _pop_free(self, count: int) -> list[int]:
+        """`count` free blocks, least recently freed first; cached ones among them leave the prefix cache (and
+        go to the tier, all in one save, before anything writes into them)."""
+        blocks, evicted = [], []
+        for _ in range(count):
+            block, _ = self._free.popitem(last=False)
+            h = self._block_hash.pop(block, None)
+            if h is not None and self._cached.get(h) == block:
+                del self._cached[h]
+                self._record(False, h)
+                evicted.append((block, h))
+            self._ref_counts[block] = 1
+            blocks.append(block)
+        if evicted and self.tier is not None:
+            self.tier.save(evicted)
+        return blocks

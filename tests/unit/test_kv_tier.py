@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 from common.engine_config import KVTierConfig
 from engine import SamplingParams
@@ -84,11 +85,14 @@ class FakeTier:
     def __init__(self, corrupt: set[int] = frozenset()):
         self.held: dict[int, int] = {}
         self.loads: list[tuple[int, int]] = []
+        self.saves: list[int] = []
         self.corrupt = corrupt
         self.pays = True
 
-    def save(self, block_id: int, block_hash: int) -> None:
-        self.held[block_hash] = block_id
+    def save(self, evicted: list[tuple[int, int]]) -> None:
+        self.saves.append(len(evicted))
+        for block_id, block_hash in evicted:
+            self.held[block_hash] = block_id
 
     def loadable(self, hashes: list[int]) -> int:
         count = 0
@@ -96,9 +100,9 @@ class FakeTier:
             count += 1
         return count
 
-    def load(self, block_id: int, block_hash: int) -> bool:
-        self.loads.append((block_id, block_hash))
-        return block_hash not in self.corrupt
+    def load(self, pairs: list[tuple[int, int]]) -> int:
+        self.loads.extend(pairs)
+        return next((i for i, (_, h) in enumerate(pairs) if h in self.corrupt), len(pairs))
 
 
 def _admit(blocks: BlockManager, request_id: str, tokens: list[int]) -> Sequence:
@@ -115,7 +119,7 @@ def test_block_manager_saves_evicted_blocks_and_admits_tier_hits_as_cached():
     a = list(range(13))  # 3 full blocks + 1 token
     blocks.free(_admit(blocks, "a", a))
     blocks.free(_admit(blocks, "b", list(range(100, 116))))  # takes every block: a's 3 cached ones are evicted
-    assert set(tier.held) == set(_chain(a, blocks))
+    assert set(tier.held) == set(_chain(a, blocks)) and tier.saves == [3]  # one save for the allocation's evictions
     seq = Sequence("a2", a, SamplingParams(max_tokens=1))
     assert blocks.admit(seq, len(a)) == 1  # 12 tokens loaded, the last one computed
     assert seq.num_cached_tokens == 12 and [h for _, h in tier.loads] == _chain(a, blocks)
@@ -135,3 +139,26 @@ def test_block_manager_stops_at_a_corrupt_entry_and_when_loading_does_not_pay():
     tier.pays = False
     seq = Sequence("b", list(range(50, 63)), SamplingParams(max_tokens=1))
     assert blocks.admit(seq, 13) == 13 and seq.num_cached_tokens == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_blocks_saved_together_load_back_byte_for_byte_into_other_blocks(dtype):
+    from engine.kv_cache import KVCache, KVLayout
+    from engine.kv_tier import KVTier
+
+    cache = KVCache(KVLayout(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=dtype), num_blocks=8)
+    for layer in range(3):
+        cache.key_caches[layer].normal_()
+        cache.value_caches[layer].normal_()
+    want = {b: [c[layer][b].clone() for layer in range(3) for c in (cache.key_caches, cache.value_caches)] for b in (2, 5)}
+    tier = KVTier(cache, KVTierConfig(kind="memory", budget_mb=1))
+    tier.save([(2, 22), (5, 55)])
+    assert tier.stats.stored_blocks == 2 and 22 in tier and 55 in tier
+    for layer in range(3):
+        cache.key_caches[layer].zero_()
+        cache.value_caches[layer].zero_()
+    assert tier.load([(7, 55), (1, 22)]) == 2
+    got = {b: [c[layer][b] for layer in range(3) for c in (cache.key_caches, cache.value_caches)] for b in (7, 1)}
+    assert all(torch.equal(g, w) for g, w in zip(got[7], want[5])) and all(torch.equal(g, w) for g, w in zip(got[1], want[2]))
+    assert not cache.key_caches[0][0].any(), "a block not named was written"
+    assert tier.load([(3, 22), (4, 99), (6, 55)]) == 1  # stops at the missing entry
