@@ -44,14 +44,15 @@ CHECKSUM_BYTES = 4
 
 
 class MemoryStore:
-    """Entries in one slab of host memory, a fixed-size slot each (`capacity` slots of `entry_bytes`), its pages
-    faulted in as slots are first used. A save is one copy into a slot; a fresh bytes object per block (until
-    52a636f) cost its page faults at every save. Measured on a Zen 4 (bf16 SmolLM2-135M, 360 KiB a block, 20
-    blocks a save): 0.40 ms a block before, 0.12-0.14 ms once the slots were used, ~0.3 ms the first time.
-    Ordinary pages: advised huge pages (engine.host_memory) took ~1 ms a block to fault in on that machine."""
+    """Entries in one slab of host memory, a fixed-size slot each (`capacity` slots of `entry_bytes`), reserved
+    and faulted in when the tier is made (the budget is resident from the start, as the pool is): a save is one
+    copy into a slot. A fresh bytes object per block (until 52a636f) paid its page faults at every save. Measured
+    on a Zen 4 (bf16 SmolLM2-135M, 360 KiB a block): 0.40 ms a block before, 0.16-0.18 ms now; the slab of a
+    1 GiB budget takes ~0.25 s to fault in. Ordinary pages: advised huge pages (engine.host_memory) were slower
+    to fault in there."""
 
     def __init__(self, capacity: int, entry_bytes: int) -> None:
-        self._slab = torch.empty((capacity, entry_bytes), dtype=torch.uint8).numpy()
+        self._slab = torch.zeros((capacity, entry_bytes), dtype=torch.uint8).numpy()
         self._slots: dict[int, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 

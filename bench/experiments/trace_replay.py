@@ -12,8 +12,7 @@ names one seeded block of token ids drawn from the model's vocabulary without it
 ids give equal prefixes; a partial last block takes the first tokens of its id's block. Time: the window's
 gaps all divided by one speed-up so that the mean arrival rate is --rate, or --load x the rate the cluster
 sustains, measured first (calibration: --calibration-requests other conversations of the trace, with other
-token ids so that they warm no cache the trace uses, all sent at once to the first configuration's cluster: the prompt
-tokens per second until the last first token, over the window's mean prompt, none reused).
+token ids so that they warm no cache the trace uses, all sent at once to the first configuration's cluster).
 
 Each configuration (bench.trace.setups: a routing policy plus config overrides) gets a fresh cluster of the
 same shape (--prefill P + --decode D workers, each pinned to a core, registering with the router so that their
@@ -209,16 +208,11 @@ def warmup(cluster: BenchCluster, count: int, seed: int) -> None:
 
 
 def calibrate(cluster: BenchCluster, workload: Workload) -> dict[str, Any]:
-    """The prompt tokens per second the cluster sustains on this trace's requests, none reused: all sent at once, the
-    completed prompts' tokens over the time until the last of them had its first token (the prefill pool's backlog,
-    decoding beside it). The decode of the last answers after that is not capacity: counted in (completed / duration,
-    the measure until 52a636f) it made the offered rate depend on the sample's longest answer."""
+    """The rate the cluster sustains on this trace's requests: all sent at once, completed / duration."""
     records, duration = replay(cluster.grpc_address, workload.specs([0.0] * len(workload.prompts)))
-    done = [r for r in records if r["ok"] and r["chunk_times_s"]]
-    backlog_s = max((r["chunk_times_s"][0] for r in done), default=0.0)
-    tokens = sum(r["prompt_len"] for r in done)
-    return {"requests": len(records), "completed": len(done), "duration_s": duration, "prompt_tokens": tokens,
-            "backlog_s": backlog_s, "prompt_tokens_per_s": tokens / backlog_s if backlog_s > 0 else 0.0}
+    completed = sum(1 for r in records if r["ok"])
+    return {"requests": len(records), "completed": completed, "duration_s": duration,
+            "sustained_rate": completed / duration if duration > 0 else 0.0}
 
 
 def run_setup(setup: Setup, base: dict[str, Any], args: argparse.Namespace, prepare) -> dict[str, Any]:
@@ -257,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--end-s", type=float, default=None, help="trace time (s) where the window ends (default: the trace's end)")
     p.add_argument("--rate", type=float, default=None, help="mean arrival rate (req/s); default: --load x the calibrated rate")
     p.add_argument("--load", type=float, default=0.8, help="share of the sustained rate to offer when calibrating")
-    p.add_argument("--calibration-requests", type=int, default=32)
+    p.add_argument("--calibration-requests", type=int, default=16)
     p.add_argument("--tokens-per-block", type=int, default=16, help="tokens per 512-token trace block")
     p.add_argument("--output-scale", type=float, default=None, help="answer length factor (default: tokens-per-block / 512)")
     p.add_argument("--max-output", type=int, default=64)
@@ -302,16 +296,11 @@ def main(argv: list[str] | None = None) -> int:
             if rate is None:
                 sample = select_window(trace, args.start_s, args.end_s, args.calibration_requests, seed=args.seed + 1)
                 calibration = calibrate(cluster, build_workload(sample, scale, BlockTokens(vocab, args.tokens_per_block, args.seed + 1)))
-                tokens_per_s = args.load * calibration["prompt_tokens_per_s"]
-                count = args.requests or max(2, round(tokens_per_s * len(sample) / max(1, calibration["prompt_tokens"]) * args.duration))
-                plan["window"] = select_window(trace, args.start_s, args.end_s, count, seed=args.seed)
-                mean_prompt = float(np.mean([scale.prompt_len(r) for r in plan["window"]]))
-                rate = tokens_per_s / mean_prompt
-                how = (f"{args.load:g} x the {calibration['prompt_tokens_per_s']:.0f} prompt tokens/s sustained in calibration, "
-                       f"over the window's mean prompt of {mean_prompt:.0f} tokens")
+                rate = args.load * calibration["sustained_rate"]
+                how = f"{args.load:g} x the {calibration['sustained_rate']:.3f} req/s sustained in calibration"
                 plan["calibration"] = calibration
             count = args.requests or max(2, round(rate * args.duration))
-            plan.setdefault("window", select_window(trace, args.start_s, args.end_s, count, seed=args.seed))
+            plan["window"] = select_window(trace, args.start_s, args.end_s, count, seed=args.seed)
             arrivals, speedup = compress_time(plan["window"], rate)
             plan["workload"] = build_workload(plan["window"], scale, BlockTokens(vocab, args.tokens_per_block, args.seed))
             plan["specs"] = plan["workload"].specs(arrivals)
