@@ -51,8 +51,9 @@ class MemoryStore:
     1 GiB budget takes ~0.25 s to fault in. Ordinary pages: advised huge pages (engine.host_memory) were slower
     to fault in there."""
 
-    def __init__(self, capacity: int, entry_bytes: int) -> None:
-        self._slab = torch.zeros((capacity, entry_bytes), dtype=torch.uint8).numpy()
+    def __init__(self, capacity: int, entry_bytes: int, pinned: bool = False) -> None:
+        """`pinned`: page-locked (a GPU worker's tier: its copies to and from the device are DMA)."""
+        self._slab = torch.zeros((capacity, entry_bytes), dtype=torch.uint8, pin_memory=pinned).numpy()
         self._slots: dict[int, int] = {}
         self._free = list(range(capacity - 1, -1, -1))
 
@@ -158,8 +159,9 @@ class KVTier:
     def __post_init__(self) -> None:
         self.block_bytes = self.cache.layout.bytes_per_block
         self.capacity_blocks = max(1, (self.config.budget_mb << 20) // self.block_bytes)
+        self._pinned = self.cache.key_caches[0].device.type == "cuda"
         self.store = (DiskStore(self.config.directory) if self.config.kind == "disk"
-                      else MemoryStore(self.capacity_blocks, CHECKSUM_BYTES + self.block_bytes))
+                      else MemoryStore(self.capacity_blocks, CHECKSUM_BYTES + self.block_bytes, self._pinned))
         self._lru: OrderedDict[int, None] = OrderedDict()
         self._events: list[tuple[bool, int]] = []
         self._events_lost = False
@@ -271,7 +273,8 @@ class KVTier:
         megabytes per call costs its page faults, more than the copies)."""
         if self._stage is None or self._stage.shape[0] < blocks:
             one = self.cache.key_caches[0][0]
-            self._stage = torch.empty(max(blocks, 32), 2 * self.cache.layout.num_layers, *one.shape, dtype=one.dtype)
+            self._stage = torch.empty(max(blocks, 32), 2 * self.cache.layout.num_layers, *one.shape, dtype=one.dtype,
+                                      pin_memory=self._pinned)
         return self._stage[:blocks]
 
     def _read_blocks(self, block_ids: list[int]) -> np.ndarray:
