@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import functools
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -25,6 +27,16 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     named = (Path(arg.split("::")[0]).resolve() for arg in config.args)
     return not any(path == collection_path or collection_path in path.parents for path in named)
 
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> float:
+    """Poll `condition` every `interval` s until it is true; returns the (monotonic) time it was. Past `timeout` s:
+    AssertionError naming `what` (the tests' one way to wait for something another process does)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting until {what}")
+        time.sleep(interval)
+    return time.monotonic()
 
 PROCESSES_AT_SETUP = pytest.StashKey[tuple[list, int]]()
 

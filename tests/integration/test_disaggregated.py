@@ -13,6 +13,7 @@ import requests
 from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 MAX_NEW = 16
 
@@ -81,15 +82,14 @@ def test_metrics_expose_kv_bytes_and_request_stages(cluster, demo_prompt_ids):
 def test_canary_found_no_divergence(cluster):
     """Every greedy request above was recomputed colocated (shadow_check_fraction 1) and agreed with its
     disaggregated output. Runs after them: waits for the background checks to end first."""
-    import time
+    idle_polls = [0]
 
-    deadline = time.monotonic() + 120
-    idle = 0
-    while idle < 3:  # the decode worker idle at three polls in a row: no check is still running
-        assert time.monotonic() < deadline, "shadow checks still running after 120 s"
+    def quiet() -> bool:  # the decode worker idle at three polls in a row: no check is still running
         stats = cluster.worker_stats(cluster.decode[0])
-        idle = idle + 1 if stats.running_requests == stats.queued_requests == 0 else 0
-        time.sleep(0.5)
+        idle_polls[0] = idle_polls[0] + 1 if stats.running_requests == stats.queued_requests == 0 else 0
+        return idle_polls[0] >= 3
+
+    wait_until(quiet, 120, "no shadow check is still running", interval=0.5)
     text = requests.get(cluster.http_url + "/metrics", timeout=10).text
     values = {line.split()[0]: float(line.split()[1]) for line in text.splitlines() if line.startswith("pdserve_")}
     assert values.get('pdserve_shadow_checks_total{outcome="agreed"}', 0) >= 1
@@ -102,7 +102,6 @@ def test_decode_worker_drains_on_sigterm(cluster, demo_prompt_ids):
     """Runs last in this module: SIGTERM the decode worker while a request is in flight."""
     import signal
     import threading
-    import time
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -120,10 +119,7 @@ def test_decode_worker_drains_on_sigterm(cluster, demo_prompt_ids):
     thread = threading.Thread(target=long_request)
     thread.start()
     decode = cluster.decode[0]
-    deadline = time.monotonic() + 60
-    while cluster.worker_stats(decode).running_requests == 0:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+    wait_until(lambda: cluster.worker_stats(decode).running_requests > 0, 60, "the decode worker runs the request", interval=0.05)
     decode.popen.send_signal(signal.SIGTERM)
     with grpc.insecure_channel(decode.address) as channel:
         status = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Callable
 
 import grpc
 import pytest
@@ -22,6 +21,7 @@ from common.block_hash import chain_hashes
 from common.security import Security
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -116,14 +116,6 @@ class Cluster:
             return all(s.free_kv_blocks == s.total_kv_blocks and not s.running_requests for s in (self.stats(w) for w in self.live()))
 
         wait_until(free, timeout, "every live worker's KV blocks are free")
-
-
-def wait_until(condition: Callable[[], bool], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting until {what}")
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")

@@ -6,14 +6,13 @@ prefix is computed and the request still succeeds."""
 
 from __future__ import annotations
 
-import time
-
 import grpc
 
 from bench.cluster import LocalCluster, write_config
 from common.block_hash import chain_hashes
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 from tests.integration.test_disaggregated import generate
 
 MAX_NEW = 8
@@ -45,15 +44,12 @@ def warm(worker, prompt: list[int]) -> None:
 def wait_indexed(cluster: LocalCluster, holder, prompt: list[int], timeout: float = 30.0) -> None:
     """Until the router's index lists every full block of `prompt` under `holder` (its KV events arrived)."""
     wanted = set(chain_hashes(prompt, 16))
-    deadline = time.monotonic() + timeout
     with grpc.insecure_channel(cluster.router.ready["internal_address"]) as channel:
-        while True:
+        def indexed() -> bool:
             reply = pb_grpc.RegistryStub(channel).KVIndex(pb.KVIndexRequest(include_hashes=True), timeout=10)
-            held = {h for w in reply.workers if w.worker_id == holder.ready["worker_id"] for h in w.block_hashes}
-            if wanted <= held:
-                return
-            assert time.monotonic() < deadline, "the holder's blocks never reached the router's index"
-            time.sleep(0.2)
+            return wanted <= {h for w in reply.workers if w.worker_id == holder.ready["worker_id"] for h in w.block_hashes}
+
+        wait_until(indexed, timeout, "the holder's blocks reached the router's index", interval=0.2)
 
 
 def test_a_prefill_worker_pulls_a_prefix_the_other_one_holds(tmp_path, demo_prompt_ids, hf_greedy):
@@ -86,10 +82,8 @@ def test_a_holder_that_dies_mid_pull_costs_a_recompute_not_the_request(tmp_path,
         with grpc.insecure_channel(cluster.router.address) as channel:
             request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=prompt), sampling=pb.SamplingParams(max_tokens=MAX_NEW, temperature=0.0))
             responses = pb_grpc.RouterStub(channel).Generate(request, timeout=300)
-            deadline = time.monotonic() + 120
-            while not any("test hook: pausing at source.before_send" in line for line in holder.log_lines):
-                assert time.monotonic() < deadline, "the holder never reached the pull"
-                time.sleep(0.1)
+            wait_until(lambda: any("test hook: pausing at source.before_send" in line for line in holder.log_lines), 120,
+                       "the holder reached the pull")
             holder.popen.kill()
             messages = list(responses)
         tokens = [t for m in messages for t in m.chunk.token_ids]

@@ -8,7 +8,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -17,6 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from bench.cluster import REPO, LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 
 def _request(ids, max_tokens, ignore_eos=False, request_id=""):
@@ -137,17 +137,17 @@ def test_router_drain_reports_not_serving_and_finishes_in_flight(cluster, demo_p
     thread.start()
     assert streaming.wait(120), "the long request never streamed a token"
     cluster.router.popen.send_signal(signal.SIGTERM)
-    saw_not_serving = False
-    deadline = time.monotonic() + 30
-    while thread.is_alive() and time.monotonic() < deadline:
+    answers: list[bool] = []  # per poll: did the draining router say NOT_SERVING
+
+    def settled() -> bool:  # it said so, or it is gone, or the request is done
         try:
-            if _health(cluster.router.address) == health_pb2.HealthCheckResponse.NOT_SERVING:
-                saw_not_serving = True
-                break
+            answers.append(_health(cluster.router.address) == health_pb2.HealthCheckResponse.NOT_SERVING)
         except grpc.RpcError:
-            break
-        time.sleep(0.1)
+            return True
+        return answers[-1] or not thread.is_alive()
+
+    wait_until(settled, 30, "the draining router answers NOT_SERVING")
     thread.join(120)
-    assert saw_not_serving
+    assert any(answers)
     assert outcome.get("finish") == pb.FINISH_REASON_LENGTH and outcome.get("tokens") == 120
     assert cluster.router.popen.wait(30) == 0

@@ -11,7 +11,6 @@ from __future__ import annotations
 import http.client
 import json
 import ssl
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -29,6 +28,7 @@ from proto.convert import sampling_to_proto
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import RouterError, generate_via_router
+from tests.conftest import wait_until
 from tests.unit.test_security import SECRET, WRONG, TLSFiles, make_tls
 
 pytestmark = pytest.mark.timeout(300)
@@ -52,14 +52,10 @@ class SecureCluster(LocalCluster):
         return sync_channel(address, tls_ca_file=str(self.tls.ca))
 
     def wait_registered(self, timeout: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout
         with self.channel(self.router.address) as channel:
             stub = health_pb2_grpc.HealthStub(channel)
-            while time.monotonic() < deadline:
-                if stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-                time.sleep(0.2)
-        raise RuntimeError("workers did not register with the router")
+            wait_until(lambda: stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status == health_pb2.HealthCheckResponse.SERVING,
+                       timeout, "the workers registered with the router", interval=0.2)
 
     def worker_stats(self, proc: Proc) -> pb.WorkerStats:
         with self.channel(proc.address) as channel:
@@ -97,13 +93,13 @@ def _code(method, *args, **kwargs) -> grpc.StatusCode:
 
 
 def _wait_for_lines(proc: Proc, text: str, count: int, timeout: float = 10.0) -> list[str]:
-    deadline = time.monotonic() + timeout
-    while True:
-        lines = [line for line in list(proc.log_lines) if text in line]
-        if len(lines) >= count or time.monotonic() > deadline:
-            assert len(lines) == count, lines
-            return lines
-        time.sleep(0.1)
+    def matching() -> list[str]:
+        return [line for line in list(proc.log_lines) if text in line]
+
+    wait_until(lambda: len(matching()) >= count, timeout, f"{count} log lines with {text!r}")
+    lines = matching()
+    assert len(lines) == count, lines
+    return lines
 
 
 def test_request_over_tls_with_secret_matches_hf(cluster, hf_greedy):
