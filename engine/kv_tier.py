@@ -11,8 +11,9 @@ and a CRC-32C of those bytes):
            next blocks the tier holds, and loads them only while loading is cheaper than computing
            them, judged from rates measured in this process (`LoadRates`);
   load     the entries are read and their checksums verified, then copied into fresh pool blocks (one
-           scatter per layer; they then join the prefix cache); a corrupt entry is dropped and reported as a miss, so the
-           prompt computes that block and everything after it: a corrupted tier never becomes a token;
+           scatter per layer; they then join the prefix cache); a corrupt entry is dropped and reported
+           as a miss, so the prompt computes that block and everything after it: a corrupted tier never
+           becomes a token;
   drop     least recently used entries go when the byte budget is exceeded.
 The pool's blocks and the tier's entries are both named by block hash, so a block is in the pool,
 in the tier, or both. `drain_events` tells the router's index what the tier stored and dropped.
@@ -47,7 +48,7 @@ class MemoryStore:
     """Entries in one slab of host memory, a fixed-size slot each (`capacity` slots of `entry_bytes`), reserved
     and faulted in when the tier is made (the budget is resident from the start, as the pool is): a save is one
     copy into a slot. A fresh bytes object per block (until 52a636f) paid its page faults at every save. Measured
-    on a Zen 4 (bf16 SmolLM2-135M, 360 KiB a block): 0.40 ms a block before, 0.16-0.18 ms now; the slab of a
+    on a Zen 4 (bf16 SmolLM2-135M, 360 KiB a block): 0.40 ms a block before, 0.16-0.26 ms now; the slab of a
     1 GiB budget takes ~0.25 s to fault in. Ordinary pages: advised huge pages (engine.host_memory) were slower
     to fault in there."""
 
