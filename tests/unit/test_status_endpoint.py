@@ -38,6 +38,15 @@ class Endpoints:
         self.opened.append(endpoint)
         return endpoint
 
+    def close_one(self, endpoint: StatusEndpoint) -> None:
+        """Closed on its loop's thread, as the controller does: asyncio's Server is not thread-safe (closing it
+        from another thread while a connection ends on the loop wakes its waiters twice)."""
+
+        async def close() -> None:
+            endpoint.close()
+
+        asyncio.run_coroutine_threadsafe(close(), self.loop).result(10)
+
     def close(self) -> None:
         for endpoint in self.opened:
             self.loop.call_soon_threadsafe(endpoint.close)
@@ -60,7 +69,7 @@ def test_the_cli_reads_the_report_through_the_file(endpoints):
     assert fetch_status("127.0.0.1:6379") == {"router": {"health": "healthy"}}
     assert fetch_status(None) == fetch_status("auto") == {"router": {"health": "healthy"}}
     assert fetch_status("10.0.0.9:6379") is None, "another cluster's address: through Ray"
-    endpoint.close()
+    endpoints.close_one(endpoint)
     assert not path.exists()
 
 
