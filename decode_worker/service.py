@@ -249,7 +249,7 @@ class DecodeService(pb_grpc.DecodeWorkerServicer):
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
         return await worker_stats(self.engine, self.worker_id, pb.ROLE_DECODE, self.gate.draining, request,
-                                  kv_bytes_received=self.kv_bytes_received)
+                                  kv_bytes_received=self.kv_bytes_received, kv_bytes_sent=self.source.sent_bytes if self.source is not None else 0)
 
     # ---- drain ---------------------------------------------------------------------------------
     async def drain(self, grace_s: float) -> None:

@@ -33,7 +33,7 @@ from engine.async_engine import AsyncEngine
 from engine.kv_tier import LoadRates
 from kvtransfer.errors import KVTransferError
 from kvtransfer.faults import FaultPoint, reached
-from kvtransfer.messages import KVEndpoint
+from kvtransfer.messages import KVEndpoint, ReceivedKV
 from kvtransfer.pieces import Destination, PieceSend
 from kvtransfer.receiver import KVReceiver
 from kvtransfer.sender import KVSender
@@ -50,6 +50,7 @@ class PrefixSource:
         """`sender()`: the worker's KV sender (a decode worker makes one at its first `send`)."""
         self.engine, self.sender, self.fingerprint = engine, sender, fingerprint
         self.fault_point = fault_point
+        self.sent_bytes = 0
 
     async def send(self, request: pb.SendPrefixRequest, context: grpc.aio.ServicerContext) -> pb.SendPrefixResponse:
         dest = request.kv_destination
@@ -75,6 +76,7 @@ class PrefixSource:
                 sent = await send.wait()
             except KVTransferError as exc:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, f"kv transfer failed ({exc.code.name}): {exc}")
+            self.sent_bytes += sent
             return pb.SendPrefixResponse(kv_bytes_sent=sent)
         finally:
             await self.engine.release(hold_id)
@@ -87,6 +89,14 @@ class PullStats:
     failed: int = 0
     skipped: int = 0
     """Pulls not tried: computing was measured cheaper, or the worker held the prefix already."""
+    seconds: float = 0.0
+    """Wall time of the pulls tried (failed ones included)."""
+    received_bytes: int = 0
+
+    def worker_stats_fields(self) -> dict:
+        """These counters as pb.WorkerStats fields."""
+        return {"kv_pulls": self.pulls, "kv_pulled_tokens": self.pulled_tokens, "kv_pull_failures": self.failed,
+                "kv_pulls_declined": self.skipped, "kv_pull_seconds": self.seconds}
 
 
 class PrefixPuller:
@@ -123,9 +133,10 @@ class PrefixPuller:
             return 0
         started = time.monotonic()
         try:
-            await self._transfer(pull_id, prefix, reserved, source)
+            received = await self._transfer(pull_id, prefix, reserved, source)
         except (KVTransferError, grpc.aio.AioRpcError, TimeoutError) as exc:
             self.stats.failed += 1
+            self.stats.seconds += time.monotonic() - started
             self.rates.observe_load(time.monotonic() - started, reserved.moved_blocks)  # time spent for nothing counts too
             log.warning("request %s: pulling %d tokens from %s failed, computing them (%s)", request_id, len(prefix), source.worker_id, exc)
             await self.engine.abort(pull_id)
@@ -135,9 +146,11 @@ class PrefixPuller:
         self.rates.observe_load(time.monotonic() - started, reserved.moved_blocks)
         self.stats.pulls += 1
         self.stats.pulled_tokens += pulled
+        self.stats.seconds += time.monotonic() - started
+        self.stats.received_bytes += received.nbytes
         return pulled
 
-    async def _transfer(self, pull_id: str, prefix: list[int], reserved, source: pb.KVSource) -> None:
+    async def _transfer(self, pull_id: str, prefix: list[int], reserved, source: pb.KVSource) -> ReceivedKV:
         transfer_id = f"{pull_id}-{uuid.uuid4().hex[:6]}"
         expected = self.receiver.expect_pieces(transfer_id, reserved.incoming_block_ids, len(prefix) - reserved.held_tokens, self.fingerprint,
                                         timeout=self.timeout_s)
@@ -150,7 +163,7 @@ class PrefixPuller:
         stub = (pb_grpc.DecodeWorkerStub if source.role == pb.ROLE_DECODE else pb_grpc.PrefillWorkerStub)(self._channels[source.address])
         try:
             await stub.SendPrefix(pb.SendPrefixRequest(request_id=pull_id, token_ids=prefix, kv_destination=dest), timeout=self.timeout_s)
-            await asyncio.wait_for(asyncio.shield(expected), timeout=self.timeout_s)
+            return await asyncio.wait_for(asyncio.shield(expected), timeout=self.timeout_s)
         except BaseException:
             self.receiver.cancel(transfer_id, "the pull failed")
             await asyncio.wait([expected], timeout=self.receiver.settle_timeout + 1)  # no write may land after the blocks are freed

@@ -42,7 +42,7 @@ from engine.outputs import RequestOutput
 from kvtransfer import KVEndpoint, KVSender, KVTransferError
 from kvtransfer.faults import FaultPoint, reached
 from kvtransfer.pieces import Destination, PieceSend
-from kvtransfer.prefix import PrefixPuller, PrefixSource
+from kvtransfer.prefix import PrefixPuller, PrefixSource, PullStats
 from kvtransfer.sharding import IncompatibleLayouts, check_compatible
 from prefill_worker.ranks import FollowerSends
 from prefill_worker.streamer import LayerStreamer
@@ -183,7 +183,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         return await self.source.send(request, context)
 
     async def Stats(self, request: pb.StatsRequest, context) -> pb.WorkerStats:
-        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, request, kv_bytes_sent=self.kv_bytes_sent)
+        pulls = self.puller.stats if self.puller is not None else PullStats()
+        return await worker_stats(self.engine, self.worker_id, pb.ROLE_PREFILL, self.gate.draining, request,
+                                  kv_bytes_sent=self.kv_bytes_sent + (self.source.sent_bytes if self.source is not None else 0),
+                                  kv_bytes_received=pulls.received_bytes, **pulls.worker_stats_fields())
 
     async def drain(self, grace_s: float) -> None:
         await self.gate.drain()

@@ -52,7 +52,7 @@ from bench import history, serve
 from bench.cluster import BenchCluster, bench_config
 from bench.experiments import common
 from bench.servebench.workload import random_ids
-from bench.trace.report import BEGIN, DOC, END, acceptance, compare, markdown, plot, score
+from bench.trace.report import BEGIN, DOC, END, PULL_COUNTERS, acceptance, compare, markdown, plot, score
 from bench.trace.setups import BY_NAME, Setup
 from bench.trace.workload import BlockTokens, Scale, TraceRequest, compress_time, load_trace, lru_reuse, reuse_bound, select_window
 
@@ -69,7 +69,7 @@ in ~1 s, so 2 s is ~6x the median's unloaded TTFT, an SLO scale of the kind serv
 default until the run at 83e0341) every configuration met it on 94-100 % of the requests and goodput only restated
 the offered rate; the report also scores goodput over a range of TTFT SLOs (bench/trace/report.py)."""
 COUNTERS = ("prompt_tokens", "kv_bytes_sent", "kv_bytes_received", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens",
-            "preemptions", "generation_tokens")
+            "preemptions", "generation_tokens", *PULL_COUNTERS)
 
 
 @dataclass

@@ -20,6 +20,10 @@ TTFT_SLO_SWEEP_MS = (500, 1000, 2000, 3000, 6000)
 depends on how tight the SLO is, so the report shows the whole range, not only the run's own pick."""
 
 
+PULL_COUNTERS = ("kv_pulls", "kv_pulled_tokens", "kv_pull_failures", "kv_pulls_declined", "kv_pull_seconds")
+"""The workers' prefix-pull counters (kvtransfer/prefix.py); the bytes pulled count in kv_bytes_received."""
+
+
 def score(result: dict[str, Any], bound: dict[str, Any], slos: dict[str, float]) -> dict[str, Any]:
     records, workers = result["requests"], result["workers"]
     m = serve.compute_metrics(records, result["duration_s"], slos)
@@ -38,6 +42,7 @@ def score(result: dict[str, Any], bound: dict[str, Any], slos: dict[str, float])
         "preemptions": sum(w["preemptions"] for w in workers.values()),
         "kv_bytes_moved": moved, "kv_bytes_moved_per_request": moved / sent if sent else None,
         "kv_bytes_sent_per_request": sum(w["kv_bytes_sent"] for w in workers.values()) / sent if sent else None,
+        "pulls": {k: sum(w.get(k, 0) for w in workers.values()) for k in PULL_COUNTERS},  # runs before 2026-12-07 lack them
         "ttft_ms": {"p50": m["ttft_ms"]["median"], "p99": m["ttft_ms"]["p99"]},
         "tpot_ms": {"p50": m["tpot_ms"]["median"], "p99": m["tpot_ms"]["p99"]},
         "itl_ms": {"p50": m["itl_ms"]["median"], "p99": m["itl_ms"]["p99"]},

@@ -60,13 +60,17 @@ def test_a_prefill_worker_pulls_a_prefix_the_other_one_holds(tmp_path, demo_prom
         holder = next(p for p in cluster.prefill if p is not puller)
         warm(holder, context)
         wait_indexed(cluster, holder, context)
-        puller_before = cluster.worker_stats(puller)
+        puller_before, holder_before = cluster.worker_stats(puller), cluster.worker_stats(holder)
         tokens, last = generate(cluster.router.address, prompt, MAX_NEW)
-        puller_after = cluster.worker_stats(puller)
+        puller_after, holder_after = cluster.worker_stats(puller), cluster.worker_stats(holder)
         assert tokens == hf_greedy(tuple(prompt), MAX_NEW)
         computed = puller_after.prompt_tokens - puller_before.prompt_tokens
         assert last.usage.cached_prompt_tokens == len(context), "the pulled prefix is what the puller did not compute"
         assert computed == len(prompt) - len(context), f"the puller computed {computed} of {len(prompt)} tokens"
+        assert (puller_after.kv_pulls - puller_before.kv_pulls, puller_after.kv_pulled_tokens - puller_before.kv_pulled_tokens) == (1, len(context))
+        assert puller_after.kv_pull_failures == puller_before.kv_pull_failures and puller_after.kv_pull_seconds > puller_before.kv_pull_seconds
+        pulled_bytes = puller_after.kv_bytes_received - puller_before.kv_bytes_received
+        assert pulled_bytes == holder_after.kv_bytes_sent - holder_before.kv_bytes_sent > 0, "the pulled bytes count on both sides"
         cluster.assert_no_leaked_blocks()
 
 
@@ -90,4 +94,6 @@ def test_a_holder_that_dies_mid_pull_costs_a_recompute_not_the_request(tmp_path,
         assert messages[-1].finish_reason in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH), messages[-1]
         assert tokens == hf_greedy(tuple(prompt), MAX_NEW)
         assert any("computing them" in line for line in puller.log_lines)
+        stats = cluster.worker_stats(puller)
+        assert (stats.kv_pulls, stats.kv_pull_failures) == (0, 1), "a failed pull counts as one, not as a pull"
         cluster.assert_no_leaked_blocks()

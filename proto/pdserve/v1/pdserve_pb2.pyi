@@ -439,7 +439,7 @@ class StatsRequest(_message.Message):
     def __init__(self, include_block_hashes: _Optional[bool] = ...) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("worker_id", "role", "queued_requests", "queued_prompt_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_bytes_received", "kv_bytes_sent", "draining", "timestamp_s", "preemptions", "prompt_tokens", "generation_tokens", "steps", "step_seconds", "prompt_steps", "prompt_step_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "spec_steps", "cached_block_hashes")
+    __slots__ = ("worker_id", "role", "queued_requests", "queued_prompt_tokens", "running_requests", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_tokens", "prefix_cache_queried_tokens", "kv_bytes_received", "kv_bytes_sent", "draining", "timestamp_s", "preemptions", "prompt_tokens", "generation_tokens", "steps", "step_seconds", "prompt_steps", "prompt_step_seconds", "spec_proposed_tokens", "spec_accepted_tokens", "spec_steps", "kv_pulls", "kv_pulled_tokens", "kv_pull_failures", "kv_pulls_declined", "kv_pull_seconds", "cached_block_hashes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     QUEUED_REQUESTS_FIELD_NUMBER: _ClassVar[int]
@@ -463,6 +463,11 @@ class WorkerStats(_message.Message):
     SPEC_PROPOSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SPEC_STEPS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLS_DECLINED_FIELD_NUMBER: _ClassVar[int]
+    KV_PULL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     CACHED_BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: Role
@@ -487,8 +492,13 @@ class WorkerStats(_message.Message):
     spec_proposed_tokens: int
     spec_accepted_tokens: int
     spec_steps: int
+    kv_pulls: int
+    kv_pulled_tokens: int
+    kv_pull_failures: int
+    kv_pulls_declined: int
+    kv_pull_seconds: float
     cached_block_hashes: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prompt_steps: _Optional[int] = ..., prompt_step_seconds: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[Role, str]] = ..., queued_requests: _Optional[int] = ..., queued_prompt_tokens: _Optional[int] = ..., running_requests: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., kv_bytes_received: _Optional[int] = ..., kv_bytes_sent: _Optional[int] = ..., draining: _Optional[bool] = ..., timestamp_s: _Optional[float] = ..., preemptions: _Optional[int] = ..., prompt_tokens: _Optional[int] = ..., generation_tokens: _Optional[int] = ..., steps: _Optional[int] = ..., step_seconds: _Optional[float] = ..., prompt_steps: _Optional[int] = ..., prompt_step_seconds: _Optional[float] = ..., spec_proposed_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ..., spec_steps: _Optional[int] = ..., kv_pulls: _Optional[int] = ..., kv_pulled_tokens: _Optional[int] = ..., kv_pull_failures: _Optional[int] = ..., kv_pulls_declined: _Optional[int] = ..., kv_pull_seconds: _Optional[float] = ..., cached_block_hashes: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
     __slots__ = ("worker_id", "role", "address", "kv_endpoint", "model", "model_fingerprint", "labels")
