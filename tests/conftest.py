@@ -7,6 +7,7 @@ import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 import torch
@@ -15,6 +16,8 @@ from bench.prompts import DEMO_PROMPTS
 from common.hardware import cpu_info
 from engine import Engine, EngineConfig
 from engine.model_loader import LoadedModel, load_model
+
+T = TypeVar("T")
 
 NAMED_ONLY = tuple(Path(__file__).parent / group for group in ("scenarios", "package", "image"))
 """Long groups of their own (`make test-scenarios`, `make test-package`, `make test-image`), left out of a bare `pytest`."""
@@ -28,14 +31,20 @@ def pytest_ignore_collect(collection_path: Path, config) -> bool | None:
     return not any(path == collection_path or collection_path in path.parents for path in named)
 
 
-def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> float:
-    """Poll `condition` every `interval` s until it is true; returns the (monotonic) time it was. Past `timeout` s:
+def wait_for(condition: Callable[[], T], timeout: float, what: str, interval: float = 0.1) -> T:
+    """Poll `condition` every `interval` s until it returns something true; returns that. Past `timeout` s:
     AssertionError naming `what` (the tests' one way to wait for something another process does)."""
     deadline = time.monotonic() + timeout
-    while not condition():
+    while not (value := condition()):
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout:g} s waiting until {what}")
         time.sleep(interval)
+    return value
+
+
+def wait_until(condition: Callable[[], object], timeout: float, what: str, interval: float = 0.1) -> float:
+    """`wait_for`, returning the (monotonic) time the condition was first seen to hold."""
+    wait_for(condition, timeout, what, interval)
     return time.monotonic()
 
 PROCESSES_AT_SETUP = pytest.StashKey[tuple[list, int]]()

@@ -25,7 +25,6 @@ import signal
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Self
@@ -36,6 +35,7 @@ import pytest
 from bench.cluster import LocalCluster, Proc, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -168,16 +168,6 @@ def check_outcomes(outcomes: list[Outcome], hf_greedy) -> dict:
 
 
 # --- observation and results ----------------------------------------------------------------
-
-
-def wait_until(predicate: Callable[[], bool], timeout: float, what: str, interval: float = 0.1) -> float:
-    """Poll `predicate` until true; returns the time it first was."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return time.monotonic()
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def worker_metric(cluster: LocalCluster, name: str, worker_id: str) -> float | None:

@@ -24,6 +24,7 @@ import pytest
 from bench.cluster import REPO, Proc, start_process, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_for as poll
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -60,13 +61,8 @@ def healthy(report: dict, role: str) -> list[dict]:
 
 
 def wait_for(predicate, timeout: float, what: str, interval: float = 1.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(interval)
-    raise AssertionError(f"timed out waiting for {what}")
+    """tests.conftest.wait_for, polling the deployment once a second by default (most predicates run `pdserve status`)."""
+    return poll(predicate, timeout, what, interval)
 
 
 def generate(address: str, prompt_ids: list[int], max_tokens: int) -> pb.GenerateResponse:

@@ -13,7 +13,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 
 import grpc
 import pytest
@@ -21,6 +20,7 @@ import pytest
 from bench.cluster import REPO, LocalCluster, start_process, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 STREAMS = 16
 MAX_TOKENS = 24
@@ -35,7 +35,7 @@ def cluster(tmp_path_factory):
         switcher = start_process(SWITCHER, ["-m", "role_worker", "--role", "decode", "-c", str(config), "--worker-id", SWITCHER,
                                             "--router", internal])
         c.decode.append(switcher)  # stopped and checked for leaks with the others
-        wait_for(lambda: registry(c).get(SWITCHER) == "decode", "the role worker registered as decode")
+        wait_until(lambda: registry(c).get(SWITCHER) == "decode", 120, "the role worker registered as decode")
         yield c
 
 
@@ -47,14 +47,6 @@ def registry(cluster: LocalCluster) -> dict[str, str]:
 
 def routed(cluster: LocalCluster, worker: str, role: str) -> float:
     return cluster.metrics().get(("pdserve_worker_routed_requests", (("role", role), ("worker", worker))), 0.0)
-
-
-def wait_for(condition, what: str, timeout: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting until {what}")
-        time.sleep(0.1)
 
 
 def switch(cluster: LocalCluster, role: str, worker: str = SWITCHER) -> subprocess.CompletedProcess:
@@ -104,22 +96,22 @@ class Streams:
 def test_role_switch_twice_under_load(cluster, demo_prompt_ids, hf_greedy):
     prompts = demo_prompt_ids
     with Streams(cluster.router.address, prompts) as streams:
-        wait_for(lambda: routed(cluster, SWITCHER, "decode") >= 2, "the role worker decodes requests")
+        wait_until(lambda: routed(cluster, SWITCHER, "decode") >= 2, 120, "the role worker decodes requests")
         to_prefill = switch(cluster, "prefill")
         assert to_prefill.returncode == 0, to_prefill.stderr
         assert json.loads(to_prefill.stdout)["role"] == "prefill"
         print("switch 1:", to_prefill.stdout.strip())  # drain and switch times (shown with -s; not asserted)
         # the router answers only once its registry holds the new role (waiting at most one heartbeat
         # interval); its metrics, refreshed every 0.5 s, show it next
-        wait_for(lambda: registry(cluster).get(SWITCHER) == "prefill", "the router's metrics show the new role", timeout=10)
-        wait_for(lambda: routed(cluster, SWITCHER, "prefill") >= 2, "the router routes prefills to the switched worker")
+        wait_until(lambda: registry(cluster).get(SWITCHER) == "prefill", 10, "the router's metrics show the new role")
+        wait_until(lambda: routed(cluster, SWITCHER, "prefill") >= 2, 120, "the router routes prefills to the switched worker")
 
         to_decode = switch(cluster, "decode")
         assert to_decode.returncode == 0, to_decode.stderr
         assert json.loads(to_decode.stdout)["previous_role"] == "prefill"
         print("switch 2:", to_decode.stdout.strip())
-        wait_for(lambda: registry(cluster).get(SWITCHER) == "decode", "the router's metrics show the new role", timeout=10)
-        wait_for(lambda: routed(cluster, SWITCHER, "decode") >= 2, "the router routes decodes to the switched worker again")
+        wait_until(lambda: registry(cluster).get(SWITCHER) == "decode", 10, "the router's metrics show the new role")
+        wait_until(lambda: routed(cluster, SWITCHER, "decode") >= 2, 120, "the router routes decodes to the switched worker again")
     assert not streams.errors, streams.errors[:5]
     assert len(streams.results) >= STREAMS
     print(f"{len(streams.results)} requests over {STREAMS} streams, none failed")

@@ -6,7 +6,6 @@ decode worker did not hold exactly once; no block leaked on any worker."""
 from __future__ import annotations
 
 import concurrent.futures
-import time
 
 import grpc
 import psutil
@@ -18,7 +17,7 @@ from bench.cluster import LocalCluster, write_config
 from engine.testing.tiny_models import build_tiny_model
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.conftest import hf_generate
+from tests.conftest import hf_generate, wait_for
 from tests.integration.test_disaggregated import generate
 
 pytestmark = pytest.mark.timeout(600)
@@ -110,13 +109,11 @@ def generate_with_id(address: str, request_id: str, prompt: list[int], max_token
 
 
 def wait_for_stall(workers, timeout: float = 60.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        for worker in workers:
-            if any("test hook: pausing at decode.after_tokens" in line for line in worker.log_lines):
-                return worker
-        time.sleep(0.1)
-    raise AssertionError("no decode worker reached the hook")
+    """The decode worker that reached the test hook."""
+    def stalled():
+        return next((w for w in workers if any("test hook: pausing at decode.after_tokens" in line for line in w.log_lines)), None)
+
+    return wait_for(stalled, timeout, "a decode worker reached the hook")
 
 
 def follower_rank(worker) -> psutil.Process:
