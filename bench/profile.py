@@ -1,6 +1,6 @@
 """`pdserve profile`: measure, on this machine, what the cluster simulator (sim/) needs, into one profile file.
 
-    pdserve profile [--out sim/profiles/NAME.json] [--quick] [--threads 1] [--no-transfer] [--no-tier]
+    pdserve profile [--out sim/profiles/NAME.json] [--quick] [--threads 1] [--no-transfer] [--no-tier] [--no-sharing]
 
 With the real engine (engine.Engine) on the demo model, one torch thread by default (a worker's share here):
   prefill   one step's wall time vs (new tokens, cached context): a prompt of `context` tokens is computed
@@ -15,8 +15,12 @@ With the real engine (engine.Engine) on the demo model, one torch thread by defa
   tier      loading a prompt's blocks back from the memory tier (bench/experiments/kv_tier.py's measure): the
             first-token time of a prompt whose blocks all come back from the tier, per block (an upper bound:
             it includes computing the prompt's last token).
+  host_sharing  a prefill step (256 new tokens; 128 after 256 cached) on one core, alone and beside a decoding
+            engine in another process (16 requests at 256 tokens of context) pinned to the same core, then to
+            another core: the ratios to alone (fair sharing would be 2.0 and 1.0; two engines also share
+            memory bandwidth and caches). Needs two CPUs.
 The file names the machine (bench/measure.py machine_record), model, dtype, threads, KV layout and capacity.
---quick: tiny grids, one repeat, no transfer or tier (tests); a full run takes a few minutes on 2 cores.
+--quick: tiny grids, one repeat, no transfer, tier or sharing (tests); a full run takes a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -26,7 +30,11 @@ import json
 import logging
 import os
 import statistics
+import subprocess
+import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="tiny grids, one repeat, no transfer or tier")
     parser.add_argument("--no-transfer", action="store_true")
     parser.add_argument("--no-tier", action="store_true")
+    parser.add_argument("--no-sharing", action="store_true", help="skip host_sharing (the simulator then assumes fair sharing)")
     parser.add_argument("--gpu-estimate", action="store_true",
                         help="measure nothing: write the H200 + 8B-model profile estimated from bench/results/gpu_check_h200.json (its source says how)")
     return parser.parse_args(argv)
@@ -174,6 +183,72 @@ def measure_tier(args: argparse.Namespace) -> dict[str, float]:
             "measured": rows, "prompt_tokens": length}
 
 
+SHARING_STEPS = ((256, 0), (128, 256))
+"""The prefill steps host_sharing times: (new tokens, cached context)."""
+
+
+def co_runner(model: str, dtype: str, threads: int, ready: str) -> None:
+    """host_sharing's neighbour: an engine decoding 16 requests at 256 tokens of context until killed."""
+    profiler = Profiler(argparse.Namespace(model=model, dtype=dtype, threads=threads, kv_cache_mb=128), 1024)
+    Path(ready).write_text("ready")
+    while True:
+        profiler.decode(16, 256, 20)
+
+
+@contextmanager
+def neighbour(args: argparse.Namespace, cpu: int, timeout_s: float = 180.0) -> Iterator[None]:
+    """A co_runner process pinned to `cpu`, decoding from before the block starts until it ends."""
+    ready = Path(f"/tmp/pdserve-profile-neighbour-{os.getpid()}-{cpu}")
+    ready.unlink(missing_ok=True)
+    code = f"from bench.profile import co_runner; co_runner({args.model!r}, {args.dtype!r}, {args.threads}, {str(ready)!r})"
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
+                            preexec_fn=lambda: os.sched_setaffinity(0, {cpu}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + timeout_s
+        while not ready.exists():
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"host_sharing: the neighbour engine did not start (exit {proc.returncode})")
+            time.sleep(0.2)
+        time.sleep(2.0)  # its decode steps under way
+        yield
+    finally:
+        proc.kill()
+        proc.wait(30)
+        ready.unlink(missing_ok=True)
+
+
+def measure_sharing(args: argparse.Namespace, rounds: int = 3) -> dict[str, Any] | None:
+    """The host_sharing section (see the module docstring): per round, the steps alone (before and after),
+    beside a neighbour on the same core, then on another core; the median ratio over the rounds (a
+    single round's other-core ratio spread 0.97-1.12 on a 2-core VM). None with fewer than two CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, {cpus[0]})
+    profiler = Profiler(args, 1024)
+    runs = []
+    try:
+        def timed() -> list[float]:
+            return [statistics.median(profiler.prefill(n, c) for _ in range(args.repeats + 2)) for n, c in SHARING_STEPS]
+
+        timed()  # warm-up: the first steps of each shape run slower
+        for _ in range(rounds):
+            before, beside = timed(), {}
+            for name, cpu in (("same_core", cpus[0]), ("other_core", cpus[1])):
+                with neighbour(args, cpu):
+                    beside[name] = timed()
+            alone = [(a + b) / 2 for a, b in zip(before, timed())]  # before and after: the machine's drift in between
+            runs.append({"alone_s": alone, **{f"{k}_s": v for k, v in beside.items()},
+                         **{k: statistics.mean(t / a for t, a in zip(v, alone)) for k, v in beside.items()}})
+    finally:
+        profiler.close()
+        os.sched_setaffinity(0, own)
+    return {**{k: round(statistics.median(r[k] for r in runs), 3) for k in ("same_core", "other_core")},
+            "steps": [list(s) for s in SHARING_STEPS], "rounds": runs, "cpus": cpus[:2],
+            "neighbour": "an engine decoding 16 requests at 256 tokens of context, in its own process"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.gpu_estimate:
@@ -185,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     from bench.measure import machine_record
 
     if args.quick:
-        args.repeats, args.no_transfer, args.no_tier = 1, True, True
+        args.repeats, args.no_transfer, args.no_tier, args.no_sharing = 1, True, True, True
     started, load_before = time.time(), os.getloadavg()
     grids, kv = measure_grids(args, GRIDS["quick" if args.quick else "full"])
     links = {} if args.no_transfer else measure_transfer(args.repeats)
@@ -205,6 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     }
     if not args.no_tier:
         profile["tier"] = measure_tier(args)
+    if not args.no_sharing and (sharing := measure_sharing(args)) is not None:
+        profile["host_sharing"] = sharing
     dtype = {"float32": "fp32", "bfloat16": "bf16"}.get(args.dtype, args.dtype)
     out = args.out or SHIPPED / f"cpu_{_cpu_name(machine)}_{args.model.split('-')[0]}_{dtype}.json"
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -95,7 +95,7 @@ class Cluster:
         self.budget = spec.max_num_batched_tokens or profile.max_num_batched_tokens
         self.max_num_seqs = spec.max_num_seqs
         self.router = Router(spec.policy, self.block_tokens)
-        hosts = self._hosts(spec)
+        hosts = self._hosts(spec, profile)
         self.prefills = [self._worker(i, "prefill", spec.prefill_tp, hosts[i % len(hosts)]) for i in range(spec.prefill)]
         self.decodes = [self._worker(spec.prefill + i, "decode", spec.decode_tp, hosts[(spec.prefill + i) % len(hosts)])
                         for i in range(spec.decode)]
@@ -115,12 +115,16 @@ class Cluster:
         self.controller = None
 
     @staticmethod
-    def _hosts(spec: ClusterSpec) -> list[Host | None]:
+    def _hosts(spec: ClusterSpec, profile: Profile) -> list[Host | None]:
         if not spec.cores:
             return [None]
-        if spec.pinned:
-            return [Host(1) for _ in range(max(1, int(spec.cores)))]
-        return [Host(spec.cores)]
+        ratios = profile.same_core_ratio, profile.other_core_ratio
+        if not spec.pinned:
+            return [Host(spec.cores, *ratios)]
+        cores = [Host(1, *ratios) for _ in range(max(1, int(spec.cores)))]
+        for core in cores:
+            core.peers = [other for other in cores if other is not core]
+        return cores
 
     def _worker(self, index: int, role: str, tp: int, host) -> Worker:
         blocks = self.spec.kv_blocks or self.profile.kv_capacity_tokens * tp // self.block_tokens

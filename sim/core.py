@@ -3,8 +3,10 @@
 Lifecycle: a `Loop` owns simulated time; everything happens in callbacks it runs in time order
 (`at(t, fn, *args)`; equal times run in the order they were scheduled, so a run is deterministic).
 A `Host` is a machine whose CPU cores its workers share (a step slows by busy workers / cores when
-more workers than cores are busy; a GPU worker has its own device: no host); workers pinned one core each
-get a `Host(1)` per core, shared only by the workers pinned there. A `SharedLink` is one
+more workers than cores are busy, times the profile's measured excess of two engines sharing a core over
+2x; and by the profile's measured other-core ratio while an engine runs on another core: memory
+bandwidth and caches are shared too; a GPU worker has its own device: no host); workers pinned one core
+each get a `Host(1)` per core, shared only by the workers pinned there, whose `peers` are the other cores. A `SharedLink` is one
 KV link whose concurrent transfers share its rate equally (processor sharing); a transfer also has a
 time before which it cannot end (the last layer's bytes leave after the prefill step that made them).
 """
@@ -37,22 +39,40 @@ class Loop:
 
 
 class Host:
-    """CPU cores shared by the workers placed on it; `factor()` is how much slower a step runs now."""
+    """CPU cores shared by the workers placed on it; `factor()` is how much slower a step runs now.
 
-    def __init__(self, cores: float) -> None:
+    `same_core_ratio`: a step's time with a second engine on its core over its time alone (2.0: fair
+    sharing, nothing lost); `other_core_ratio`: its time while an engine runs on another core (1.0: no
+    effect). Both are measured by `pdserve profile` (sim/profile.py `Profile`)."""
+
+    def __init__(self, cores: float, same_core_ratio: float = 2.0, other_core_ratio: float = 1.0) -> None:
         self.cores = cores
+        self.same_core_ratio, self.other_core_ratio = same_core_ratio, other_core_ratio
         self.busy: set[int] = set()
         self.workers: list = []
+        self.peers: list[Host] = []
+        """The machine's other cores, when workers are pinned one core each."""
 
     def factor(self) -> float:
-        return max(1.0, len(self.busy) / self.cores)
+        busy = len(self.busy)
+        factor = 1.0
+        if busy > self.cores:
+            factor = busy / self.cores * self.same_core_ratio / 2
+        if (busy >= 2 and self.cores >= 2) or any(peer.busy for peer in self.peers):
+            factor *= self.other_core_ratio
+        return factor
 
     def set_busy(self, worker, busy: bool) -> None:
         before = len(self.busy)
         (self.busy.add if busy else self.busy.discard)(worker.index)
-        if len(self.busy) != before:
-            for other in self.workers:
-                if other is not worker:
+        if len(self.busy) == before:
+            return
+        for other in self.workers:
+            if other is not worker:
+                other.host_changed()
+        if not before or not self.busy:  # this core went busy or idle: its peers' speed changed
+            for peer in self.peers:
+                for other in peer.workers:
                     other.host_changed()
 
 

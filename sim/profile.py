@@ -23,6 +23,11 @@ back from the tier, less the one-token step that computed its last token (the de
 the prompt's length), per block; a profile without that measurement states `load_s_per_block` only (an
 upper bound: it includes that step).
 
+Sharing a CPU (`host_sharing`, measured on a CPU with two cores or more): a prefill step's time beside a
+decoding engine on the same core (`same_core`, 2.0 would be fair sharing with nothing lost) and on
+another core (`other_core`, 1.0 would be no effect), each over its time alone; sim/core.py `Host`
+applies them. Profiles without it get 2.0 and 1.0.
+
 Tensor parallelism: a profile measured at TP 1 says how TP scales its steps (`tp_scaling`: the
 efficiency e(t) at t ranks, step time / (t x e(t))) and its KV capacity (per rank, so x t); a
 profile that omits it cannot plan TP > 1. Torch-free.
@@ -101,6 +106,11 @@ class Profile:
     tier_measured: dict[str, float] = field(default_factory=dict)
     """The tier section's raw measure: `loaded_s` (first token, every block from the tier), `prompt_tokens`."""
     tp_scaling: dict[int, float] = field(default_factory=lambda: {1: 1.0})
+    same_core_ratio: float = 2.0
+    """A prefill step's time beside a decoding engine on the same core over its time alone (`host_sharing`;
+    2.0 where not measured: fair sharing, nothing lost)."""
+    other_core_ratio: float = 1.0
+    """Its time beside a decoding engine on another core over its time alone (1.0 where not measured)."""
     estimate: bool = False
     source: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
@@ -215,6 +225,10 @@ def profile_from_dict(data: dict, path: str = "") -> Profile:
         if not isinstance(data.get(key), int) or data[key] <= 0:
             raise ValueError(f"profile.{key}: must be an integer > 0")
     tier = data.get("tier") or {}
+    sharing = data.get("host_sharing") or {}
+    for key in ("same_core", "other_core"):
+        if key in sharing and not (isinstance(sharing[key], (int, float)) and sharing[key] >= 1.0):
+            raise ValueError(f"profile.host_sharing.{key}: must be a ratio >= 1")
     scaling = {int(k): float(v) for k, v in (data.get("tp_scaling") or {"1": 1.0}).items()}
     prefill = _grid(data, "prefill", "tokens", "context")
     cached = [j for j, c in enumerate(prefill.ys) if c > 0]
@@ -227,7 +241,8 @@ def profile_from_dict(data: dict, path: str = "") -> Profile:
                    links=links, tier_load_s_per_block=tier.get("load_s_per_block"),
                    tier_measured={"loaded_s": float((tier.get("measured") or {}).get("loaded_s") or 0.0),
                                   "prompt_tokens": float(tier.get("prompt_tokens") or 0)} if tier.get("measured") else {},
-                   tp_scaling=scaling,
+                   tp_scaling=scaling, same_core_ratio=float(sharing.get("same_core", 2.0)),
+                   other_core_ratio=float(sharing.get("other_core", 1.0)),
                    estimate=bool(data.get("estimate", False)), source=str(data.get("source", "")), machine=data.get("machine") or {},
                    threads=data.get("threads"), max_num_batched_tokens=int(data.get("max_num_batched_tokens", 2048)), path=path)
 
