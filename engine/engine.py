@@ -250,6 +250,8 @@ class Engine:
             if seq.state.finished:
                 self.scheduler.remove(seq)
                 self._finish(seq)
+                if seq.state is RequestState.FINISHED_PREFILLED and self.kv_sink is None:
+                    out.prompt_kv = self.prompt_kv(seq.request_id)
             outputs.append(out)
         return outputs
 

@@ -26,6 +26,10 @@ class RequestOutput:
     error: str | None = None
     first_step_at: float | None = None
     """time.monotonic() when the sequence's first step began: its queue time ends, its compute starts."""
+    prompt_kv: list | None = None
+    """A prefill-only request's prompt KV, [(K, V)] per layer (copies, `Engine.prompt_kv`), taken on the engine thread
+    in the step that finished the prompt when no KV sink streams it layer by layer: its sender need not wait for
+    the engine's next step (up to a whole prefill step on a busy worker) to read it."""
 
 
 @dataclass(frozen=True)

@@ -170,9 +170,10 @@ class PrefillService(pb_grpc.PrefillWorkerServicer):
         await context.abort(grpc.StatusCode.ABORTED, "prefill was aborted")
 
     async def _finish_transfer(self, request_id: str, transfer: PieceSend, first_out: RequestOutput) -> None:
-        """Send what the streamer did not (without one: every layer), then the trailer with the first token."""
+        """Send what the streamer did not (without one: every layer, read by the engine in the prompt's own step), then
+        the trailer with the first token."""
         if self.streamer is None:
-            for layer, (k, v) in enumerate(await self.engine.prompt_kv(request_id)):
+            for layer, (k, v) in enumerate(first_out.prompt_kv):
                 transfer.send_layer(layer, k[transfer.start:], v[transfer.start:])
         logprob = first_out.logprobs[0] if first_out.logprobs else None
         transfer.finish(first_out.new_token_ids[0], logprob, first_out.top_logprobs[0] if first_out.top_logprobs else None)

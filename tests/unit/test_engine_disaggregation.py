@@ -47,6 +47,7 @@ async def test_prefill_sink_then_remote_decode_matches_hf(demo_model, demo_promp
         assert sorted(sink.layers["r"]) == list(range(prefill.layout.num_layers)) == list(range(len(layers)))
         for layer, (k, v) in enumerate(layers):  # what streamed during the step is what stayed in the pool
             assert torch.equal(sink.layers["r"][layer][0], k) and torch.equal(sink.layers["r"][layer][1], v)
+        assert first.prompt_kv is None, "streamed layer by layer: no copy taken at the step's end"
         await prefill.release("r")
 
         reserved = await decode.reserve_remote_kv("r", prompt, params)
@@ -69,6 +70,22 @@ async def test_prefill_sink_then_remote_decode_matches_hf(demo_model, demo_promp
     assert outputs[-1].finished
     assert_no_leaked_blocks(p_engine)
     assert_no_leaked_blocks(d_engine)
+
+
+def test_without_a_sink_the_prompt_step_hands_out_the_prompts_kv(demo_model, demo_prompt_ids):
+    """The KV sent after the prompt (no layer sink, the CPU default) comes with the prompt's first output, read in
+    that step: the sender does not wait for the engine's next step. It is what the pool holds."""
+    engine = make_engine(demo_model, max_model_len=256)
+    engine.add_request("p", demo_prompt_ids[2], SamplingParams(max_tokens=1), prefill_only=True)
+    engine.add_request("g", demo_prompt_ids[3], SamplingParams(max_tokens=2))
+    outputs = {out.request_id: out for out in engine.step()}
+    assert outputs["g"].prompt_kv is None, "only a prefill-only request's KV is handed out"
+    handed, pool = outputs["p"].prompt_kv, engine.prompt_kv("p")
+    assert len(handed) == engine.layout.num_layers
+    assert all(torch.equal(hk, pk) and torch.equal(hv, pv) and hk.shape[0] == len(demo_prompt_ids[2]) for (hk, hv), (pk, pv) in zip(handed, pool))
+    run_to_completion(engine)
+    engine.release("p")
+    assert_no_leaked_blocks(engine)
 
 
 def test_request_that_ends_at_its_first_token_frees_its_blocks(demo_model, demo_prompt_ids):
