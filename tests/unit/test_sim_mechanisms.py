@@ -1,5 +1,5 @@
 """The simulator's model of how a worker shares its machine and its engine thread, against closed-form cases:
-workers pinned one core each (only co-pinned workers slow each other), the router's pool order, a decode
+workers pinned one core each (only co-pinned workers slow each other), a profile's measured host sharing, the router's pool order, a decode
 worker's reservation waiting for its step in progress, a mixed step paying the step's own cost once, the
 second tier's copies (out on eviction, back on a decode worker's reservation) as engine-thread time, and a
 chunk after cached keys costed on its own path. Every test ends with no KV block held anywhere."""
@@ -44,6 +44,40 @@ def test_pinned_workers_slow_only_the_workers_on_their_core():
     unpinned = two_prompts()
     run(ClusterSpec(prefill=0, decode=4, cores=2, pool_order=((), (0, 2, 1, 3))), profile, unpinned)
     assert [r.ttft for r in unpinned] == pytest.approx([alone, alone])
+
+
+def test_measured_host_sharing_scales_steps_by_its_ratios():
+    """A profile's host_sharing: two engines on one core run same_core x slower than alone (not 2x), an engine on
+    the other core slows a step by other_core; unpinned, two busy workers on two cores pay the other-core ratio."""
+    profile = dataclasses.replace(linear_profile(), same_core_ratio=2.2, other_core_ratio=1.1)
+    alone = profile.prefill_s([(500, 0)])
+    apart = two_prompts()
+    run(ClusterSpec(prefill=0, decode=4, cores=2, pinned=True), profile, apart)
+    assert [r.decode_worker for r in apart] == [0, 1]
+    assert [r.ttft for r in apart] == pytest.approx([1.1 * alone, 1.1 * alone])
+    together = two_prompts()
+    run(ClusterSpec(prefill=0, decode=4, cores=2, pinned=True, pool_order=((), (0, 2, 1, 3))), profile, together)
+    assert [r.ttft for r in together] == pytest.approx([2.2 * alone, 2.2 * alone]), "the other core idle: no other-core ratio"
+    unpinned = two_prompts()
+    run(ClusterSpec(prefill=0, decode=4, cores=2), profile, unpinned)
+    assert [r.ttft for r in unpinned] == pytest.approx([1.1 * alone, 1.1 * alone])
+    lone = [SimRequest(0, 0.0, 500, 1, ())]
+    run(ClusterSpec(prefill=0, decode=4, cores=2, pinned=True), profile, lone)
+    assert lone[0].ttft == pytest.approx(alone), "alone on the machine: the profile's own time"
+
+
+def test_host_sharing_ratios_are_checked():
+    data = {"kind": PROFILE_KIND, "block_size": 16, "num_layers": 30, "kv_bytes_per_token": 1000, "kv_capacity_tokens": 4096,
+            "prefill": {"tokens": [16, 64], "context": [0], "seconds": [[0.01], [0.02]]},
+            "decode": {"batch": [1, 2], "context": [16], "seconds": [[0.01], [0.011]]},
+            "transfer": {"tcp": {"latency_s": 0.001, "bytes_per_s": 1e9}}}
+    data["host_sharing"] = {"same_core": 2.1, "other_core": 0.5}
+    with pytest.raises(ValueError, match="host_sharing.other_core"):
+        profile_from_dict(data)
+    data["host_sharing"] = {"same_core": 2.1, "other_core": 1.02}
+    assert (profile_from_dict(data).same_core_ratio, profile_from_dict(data).other_core_ratio) == (2.1, 1.02)
+    del data["host_sharing"]
+    assert (profile_from_dict(data).same_core_ratio, profile_from_dict(data).other_core_ratio) == (2.0, 1.0), "fair sharing when unmeasured"
 
 
 def test_a_pool_order_must_name_every_worker():
