@@ -16,6 +16,7 @@ from common.sampling import SamplingParams
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
 from router.client import generate_via_router
+from tests.conftest import wait_for, wait_until
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -83,10 +84,11 @@ def test_outcomes_match_what_clients_saw(cluster, client):
         assert next(call).chunk.token_ids and next(call).chunk.token_ids
         call.cancel()
     expected = {"ok": 5, "invalid": 2, "overloaded": 0, "error": 0, "cancelled": 2}
-    deadline = time.monotonic() + 30  # the router counts the hang-up when it notices it
-    while (delta := {o: outcomes(cluster)[o] - before[o] for o in OUTCOMES}) != expected and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert delta == expected
+    def delta() -> dict:
+        return {o: outcomes(cluster)[o] - before[o] for o in OUTCOMES}
+
+    wait_until(lambda: delta() == expected, 30, "the outcomes were counted (the router counts a hang-up when it notices it)", interval=0.2)
+    assert delta() == expected
     cluster.assert_no_leaked_blocks()
 
 
@@ -117,9 +119,11 @@ def test_worker_gauges_move_under_load(cluster, client):
     generated = [s["pdserve_generation_tokens_total"] for s in busy]
     assert generated == sorted(generated) and generated[-1] > generated[0], "generation tokens did not move between scrapes"
 
-    deadline = time.monotonic() + 15  # the next heartbeats bring the idle values
-    while (after := worker_series(cluster, "decode"))["pdserve_num_requests_running"] and time.monotonic() < deadline:
-        time.sleep(0.3)
+    def idle_decode() -> dict | None:
+        series = worker_series(cluster, "decode")
+        return None if series["pdserve_num_requests_running"] else series
+
+    after = wait_for(idle_decode, 15, "the next heartbeats brought the decode worker's idle values", interval=0.3)
     assert after["pdserve_num_requests_running"] == 0 and after["pdserve_kv_cache_usage_ratio"] == 0
     assert after["pdserve_generation_tokens_total"] >= idle["decode"]["pdserve_generation_tokens_total"] + 4 * (long_tokens - 1)
     assert after["pdserve_engine_step_seconds_count"] > idle["decode"]["pdserve_engine_step_seconds_count"]
@@ -134,8 +138,6 @@ def test_a_worker_that_leaves_drops_its_series(cluster):
     """Runs last: the prefill worker drains and deregisters; its series go, the decode worker's stay."""
     assert worker_series(cluster, "prefill")
     stop_process(cluster.prefill[0])
-    deadline = time.monotonic() + 15
-    while worker_series(cluster, "prefill") and time.monotonic() < deadline:
-        time.sleep(0.3)
+    wait_until(lambda: worker_series(cluster, "prefill") == {}, 15, "the stopped prefill worker's series were gone", interval=0.3)
     assert worker_series(cluster, "prefill") == {}
     assert set(worker_series(cluster, "decode")) == {*ENGINE_GAUGES, *ENGINE_COUNTERS}
