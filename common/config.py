@@ -99,7 +99,8 @@ class RouterConfig:
     prefill_retries: int = 2
     max_migrations: int = 2
     local_prefill_threshold: int = 0
-    """Prompts up to this many tokens (with no cached prefix) are prefilled on the decode worker; 0 disables."""
+    """A prompt is prefilled on its decode worker when that worker would compute at most this many of its tokens
+    (under the kv_aware policy the tokens it does not already hold, by the KV index; else the whole prompt); 0 disables."""
     heartbeat_timeout_s: float = 5.0
     stall_timeout_s: float = 30.0
     """A stream silent this long after its first token migrates to another decode worker if its worker

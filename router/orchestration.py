@@ -1,7 +1,7 @@
 """Orchestration of one validated request across workers: an attempt loop with a retry budget.
 
 Each attempt: pick a decode worker D and open `Decode`; D answers with its KV admission (endpoint +
-transfer id), or we ask D to prefill locally (short prompt, conditional disaggregation); pick a
+transfer id), or we ask D to prefill locally (conditional disaggregation: few tokens for D to compute); pick a
 prefill worker P and call `Prefill` with D's destination; then relay D's stream. The budget:
   - a failed prefill cancels D's request (its blocks freed) and retries on another P, up to
     `prefill_retries` times;
@@ -163,7 +163,7 @@ class Orchestrator:
         """Admit on D and get the prompt prefilled."""
         prompt_ids = list(request.token_ids)
         decoder = self.pool.pick("decode", prompt_ids)
-        local = self._prefill_locally(prompt_ids)
+        local = self._prefill_locally(prompt_ids, decoder)
         request.local_prefill = local
         state.started_attempt()
         with span("decode.admit", state.trace, SpanKind.CLIENT, worker_id=decoder.worker_id, attempt=state.attempts, local_prefill=local):
@@ -223,10 +223,11 @@ class Orchestrator:
         state.cached_prompt_tokens = max(state.cached_prompt_tokens, response.cached_prompt_tokens)
         return response
 
-    def _prefill_locally(self, prompt_ids: list[int]) -> bool:
-        """Conditional disaggregation: no prefill pool, or a prompt short enough for D to run."""
+    def _prefill_locally(self, prompt_ids: list[int], decoder: Worker) -> bool:
+        """Conditional disaggregation: no prefill pool, or D would compute few enough of the prompt's tokens
+        (the policy says how many: under kv_aware only those D's cache does not hold)."""
         threshold = self.local_prefill_threshold
-        return not self.pool.has_role("prefill") or 0 < len(prompt_ids) <= threshold
+        return not self.pool.has_role("prefill") or 0 < self.pool.policy.local_prefill_tokens(decoder, prompt_ids) <= threshold
 
 
 def split_field(details: str) -> tuple[str, str]:

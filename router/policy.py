@@ -53,6 +53,11 @@ class RoundRobin:
         tier, by the index: tokens it needs neither to compute nor to receive."""
         return self.index.usable_blocks(worker.worker_id, hashes) * self.block_size
 
+    def local_prefill_tokens(self, worker: Worker, prompt_ids: list[int]) -> int:
+        """The prompt tokens `worker` computes if it prefills the prompt itself (conditional disaggregation):
+        the whole prompt for a policy blind to the workers' caches."""
+        return len(prompt_ids)
+
 
 class LeastLoaded(RoundRobin):
     def choose(self, role: str, candidates: list[Worker], prompt_ids: list[int]) -> Worker:
@@ -109,6 +114,10 @@ class KVAware(RoundRobin):
             return self._decode(candidates, held, len(prompt_ids))
         n, most, in_flight = len(prompt_ids), max(held.values()), sum(w.in_flight for w in candidates)
         return min(candidates, key=lambda w: (prefill_cost(n, held[w.worker_id], most, w.pending_prefill_tokens, in_flight), w.routed))
+
+    def local_prefill_tokens(self, worker: Worker, prompt_ids: list[int]) -> int:
+        """Only what the worker does not hold, by the index: a conversation's decode worker computes the new turn."""
+        return len(prompt_ids) - self.usable_tokens(worker, self.prompt_hashes(prompt_ids))
 
     def _decode(self, candidates: list[Worker], held: dict[str, int], prompt_tokens: int) -> Worker:
         """The worker holding the most of the prompt, if it has room for the rest and is not much busier than

@@ -1,7 +1,8 @@
 """A cluster shape run over a workload: `simulate(spec, profile, requests) -> SimResult`.
 
 Lifecycle of a request (DESIGN.md's "life of a request", disaggregated):
-  arrival -> the router picks a decode worker D (policy); a prompt at or under the local-prefill threshold,
+  arrival -> the router picks a decode worker D (policy); a prompt of which D would compute at most the
+  local-prefill threshold (`Router.local_prefill_tokens`: under kv_aware, what D does not hold),
   or any prompt when there is no prefill worker (colocated), is prefilled on D itself. Otherwise D
   reserves KV blocks for the prompt (on its engine thread: after the step in progress; its cached leading
   blocks taken as they are, its tier's next ones loaded) or the request waits in D's admission queue
@@ -151,7 +152,7 @@ class Cluster:
         d.routed += 1
         d.in_flight += 1
         req.decode_worker = d.index
-        if not self.prefills or req.prompt_len <= self.threshold:
+        if not self.prefills or self.router.local_prefill_tokens(d, req) <= self.threshold:
             d.enqueue(req, local=True)
             return
         if d.busy_at_boundary():

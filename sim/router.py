@@ -8,6 +8,7 @@ router layer sits above sim/).
 - kv_aware: both pools by the exact index (the workers' pools and tiers, read directly: the router's
   index is exact at quiescence): prefill by common/kv_routing.py (the router's own rules); decode to
   the worker holding the most leading blocks if it has room for the rest and is in balance, else the most free KV.
+The local-prefill threshold counts `local_prefill_tokens` (router/policy.py's rule).
 Ties go to the worker routed to least, then the lowest index.
 """
 
@@ -76,6 +77,10 @@ class Router:
             return most_free_kv(workers)
         best = max(held[w.index] for w in holders)
         return most_free_kv([w for w in holders if held[w.index] == best])
+
+    def local_prefill_tokens(self, worker, req: SimRequest) -> int:
+        """What `worker` computes if it prefills `req` itself: under kv_aware what it does not hold, else the prompt."""
+        return req.prompt_len - (worker.held_tokens(req) if self.policy == "kv_aware" else 0)
 
 
 def most_free_kv(workers: list):

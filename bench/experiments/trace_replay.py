@@ -63,6 +63,11 @@ HEARTBEAT_TIMEOUT_S = 30.0
 """router.heartbeat_timeout_s of every cluster: at the default 5 s, workers busy with seconds-long prefill steps on
 a shared 2-core machine missed heartbeats, left rotation (requests failed: no healthy prefill worker) and their
 KV index entries were dropped, which a benchmark of routing should not measure."""
+LOCAL_PREFILL_THRESHOLD = 64
+"""router.local_prefill_threshold of every configuration: a decode worker prefills a prompt itself when it would compute
+at most 4 blocks of it (~90 ms of one step here, bf16), less than the prefill queue and the hop cost under load. The
+same setting for every policy: round_robin and prefix_aware count the whole prompt (the window's 28-64 token
+first turns), kv_aware only what the decode worker does not hold (a conversation's new turn)."""
 SLO_TTFT_MS = 2000.0
 """The replay's TTFT SLO. The window's median prompt prefills alone in ~0.3 s here (bf16, sim/profiles), its longest
 in ~1 s, so 2 s is ~6x the median's unloaded TTFT, an SLO scale of the kind serving evaluations set. At 6 s (the
@@ -260,6 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-mb", type=int, default=128, help="KV pool per worker (MB)")
     p.add_argument("--budget", type=int, default=512, help="max_num_batched_tokens (chunked prefill)")
     p.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    p.add_argument("--local-prefill-threshold", type=int, default=LOCAL_PREFILL_THRESHOLD,
+                   help="router.local_prefill_threshold of every configuration (tokens; 0: every prompt disaggregated)")
     p.add_argument("--slo-ttft", type=float, default=SLO_TTFT_MS, help="TTFT SLO (ms)")
     p.add_argument("--slo-tpot", type=float, default=250.0, help="TPOT SLO (ms)")
     p.add_argument("--warmup", type=int, default=4)
@@ -286,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 "block_size": args.tokens_per_block})
     # the canary (router.shadow_check_fraction) recomputes a sample of requests on decode workers: work that is not the
     # configuration's, which the workers' prompt-token counters would charge to it
-    base["router"].update(local_prefill_threshold=0, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, shadow_check_fraction=0.0)
+    base["router"].update(local_prefill_threshold=args.local_prefill_threshold, heartbeat_timeout_s=HEARTBEAT_TIMEOUT_S, shadow_check_fraction=0.0)
     plan: dict[str, Any] = {"argv": sys.argv[1:] if argv is None else list(argv), "trace_requests": len(trace)}
 
     def prepare(cluster: BenchCluster) -> list[serve.RequestSpec]:
