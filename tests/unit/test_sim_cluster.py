@@ -75,6 +75,22 @@ def test_a_second_turn_computes_and_moves_only_its_new_blocks():
     assert turn2.kv_bytes == (4 * 16 + 5) * profile.kv_bytes_per_token  # the decode worker holds the first turn's blocks
 
 
+@pytest.mark.parametrize("policy", ["kv_aware", "round_robin"])
+def test_a_local_prefill_threshold_counts_what_the_decode_worker_does_not_hold_under_kv_aware(policy):
+    """The router's rule (router/policy.py `local_prefill_tokens`): a new turn of 69 tokens after 160 the decode
+    worker holds runs on that worker under kv_aware; round_robin counts the whole 229-token prompt."""
+    profile = linear_profile()
+    first_ids, more = list(range(10)), [100, 101, 102, 103]
+    turn1 = SimRequest(0, 0.0, 10 * 16, 2, chain_keys(first_ids, 10))
+    turn2 = SimRequest(1, 30.0, 14 * 16 + 5, 2, chain_keys(first_ids + more + [104], 14))
+    run(ClusterSpec(prefill=1, decode=1, policy=policy, local_prefill_threshold=100), profile, [turn1, turn2])
+    assert turn1.prefill_worker == 0  # 160 tokens held nowhere: over the threshold
+    if policy == "kv_aware":
+        assert turn2.prefill_worker == -1 and turn2.prompt_computed == 4 * 16 + 5 and turn2.kv_bytes == 0
+    else:
+        assert turn2.prefill_worker == 0 and turn2.kv_bytes > 0
+
+
 def test_a_prompt_fully_cached_still_computes_its_last_block():
     profile = linear_profile()
     ids = list(range(8))
