@@ -175,6 +175,7 @@ def trace_cases(path: Path, requests_path: Path, configs: tuple[str, ...] = TRAC
                            cores=CORES, pinned=TRACE_PINNED, transport=params["transport"], block_tokens=params["tokens_per_block"],
                            pool_order=(tuple(range(params["prefill"])), decode_order) if decode_order else None,
                            max_queued_requests=base["router"].get("max_queued_requests", 512),
+                           local_prefill_threshold=base["router"].get("local_prefill_threshold", 0),
                            layerwise=streamed_layerwise(base["kv_transfer"]))
         cases.append({"workload": "trace", "config": name, "spec": spec, "requests": reqs, "records": records, "slos": slos,
                       "tier_mb": tier.get("budget_mb", KVTierConfig().budget_mb) if tier else 0,
