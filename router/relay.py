@@ -142,9 +142,8 @@ class DecodeRelay:
         return pb.GenerateResponse(request_id=state.request_id, chunk=chunk)
 
     def _on_finished(self, state: Progress, seq: SequenceProgress, fin: pb.DecodeFinished) -> pb.GenerateResponse:
-        if fin.timings.local_prefill:
+        if fin.timings.local_prefill:  # else the prefill worker's answer said its stages and what it did not compute
             state.worker_stages(fin.timings)
-        if fin.timings.local_prefill:  # else the prefill worker's answer said what it did not compute
             state.cached_prompt_tokens = max(state.cached_prompt_tokens, fin.usage.cached_prompt_tokens)
         tail = pb.TokenChunk(text=seq.detok.finish().text) if seq.detok is not None else pb.TokenChunk()
         response = state.final(tail, fin.finish_reason or pb.FINISH_REASON_STOP, self.metrics, seq)

@@ -85,7 +85,10 @@ class SplitEstimate:
     """What a split of colocated workers would give, per request (judge_colocated): the controller holds it against the SLOs."""
 
     itl_s: float
-    """The decode workers' decode-only step time: a stream's ITL once no prompt shares its steps."""
+    """A stream's ITL once no prompt shares its steps: the decode workers' decode-only step time, grown in proportion
+    to the streams each of the n - 1 workers left carries (n / (n - 1) as many). Proportional is the cautious side, and
+    it is the CPU's regime (a compute-bound step); taking the step as flat (until 2026-12-07) split colocated
+    workers in the middle of a decode-heavy phase and left one worker with every stream (adaptive trace at af61e29)."""
     ttft_s: float
     """Mean TTFT through one prefill worker: router queue, prefill compute, its queue at `prefill_busy`, the hop."""
     prefill_busy: float
@@ -174,7 +177,8 @@ def judge_colocated(paths: list, steps: list[WorkerSteps], hop_s: float | None) 
     added = {"decode": mean["decode"] * share, "prefill_queue": max(0.0, mean["prefill_queue"] - queue)}
     disaggregated = colocated - added["decode"] + queue - mean["prefill_queue"] + hop
     note = "" if hop_s is not None else " (no split measured yet: the hop taken as 0)"
-    split = SplitEstimate(decode_step_s, mean["router_queue"] + queue + mean["prefill_compute"] + hop, load)
+    streams_per_worker = len(steps) / (len(steps) - 1)  # one of the decode workers becomes the prefill worker
+    split = SplitEstimate(decode_step_s * streams_per_worker, mean["router_queue"] + queue + mean["prefill_compute"] + hop, load)
     return _weigh(Verdict("", note, disaggregated_e2e_s=disaggregated, saved_s=saved, added_s=added, split=split, **common))
 
 
