@@ -70,7 +70,7 @@ has a stream), its latency against the SLO does."""
 WAITING_STAGE = {"prefill": "prefill_queue", "decode": "decode_admission"}
 SPLIT_ROOM = 0.8
 """Colocated workers split only if the split's estimated ITL and mean TTFT stay below this share of their SLOs (the
-estimates are means and assume a flat decode step; the SLOs are quantiles)."""
+estimates are means, the step grown in proportion to the streams per decode worker; the SLOs are quantiles)."""
 
 
 @dataclass(frozen=True)
