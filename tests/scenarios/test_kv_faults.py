@@ -5,7 +5,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import time
 
 import grpc
 import requests
@@ -13,6 +12,7 @@ import requests
 from bench.cluster import LocalCluster, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
+from tests.conftest import wait_until
 
 MAX_NEW = 12
 
@@ -54,11 +54,12 @@ def test_prefill_killed_mid_transfer_is_retried_on_another(tmp_path, demo_prompt
         victim = cluster.prefill[0]
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             future = pool.submit(generate, cluster.router.address, demo_prompt_ids[3])
-            deadline = time.monotonic() + 60
-            while not any("test hook: pausing" in line for line in victim.log_lines):
-                assert time.monotonic() < deadline, "the prefill worker never reached the pause point"
+
+            def paused() -> bool:
                 assert not future.done(), future.result()
-                time.sleep(0.05)
+                return any("test hook: pausing" in line for line in victim.log_lines)
+
+            wait_until(paused, 60, "the prefill worker reaches the pause point", interval=0.05)
             os.killpg(victim.popen.pid, signal.SIGKILL)
             victim.popen.wait(10)
             tokens, last = future.result(timeout=120)
