@@ -226,8 +226,10 @@ class Orchestrator:
     def _prefill_locally(self, prompt_ids: list[int], decoder: Worker) -> bool:
         """Conditional disaggregation: no prefill pool, or D would compute few enough of the prompt's tokens
         (the policy says how many: under kv_aware only those D's cache does not hold)."""
-        threshold = self.local_prefill_threshold
-        return not self.pool.has_role("prefill") or 0 < self.pool.policy.local_prefill_tokens(decoder, prompt_ids) <= threshold
+        if not self.pool.has_role("prefill"):
+            return True
+        threshold = self.local_prefill_threshold  # 0: off, and no index walk for every request
+        return threshold > 0 and 0 < self.pool.policy.local_prefill_tokens(decoder, prompt_ids) <= threshold
 
 
 def split_field(details: str) -> tuple[str, str]:

@@ -152,7 +152,7 @@ class Cluster:
         d.routed += 1
         d.in_flight += 1
         req.decode_worker = d.index
-        if not self.prefills or self.router.local_prefill_tokens(d, req) <= self.threshold:
+        if not self.prefills or (self.threshold > 0 and self.router.local_prefill_tokens(d, req) <= self.threshold):
             d.enqueue(req, local=True)
             return
         if d.busy_at_boundary():
