@@ -6,9 +6,9 @@ With the real engine (engine.Engine) on the demo model, one torch thread by defa
   prefill   one step's wall time vs (new tokens, cached context): a prompt of `context` tokens is computed
             and cached first, then the same prefix + `tokens` new tokens runs in one step (budget >= tokens);
             median of --repeats.
-  decode    one step's wall time vs (batch, context): `batch` requests sharing a cached prompt of `context`
-            tokens (each with one token of its own, so each reads its whole context through its block
-            table as any decode does), timed over steps once all decode; median.
+  decode    one step's wall time vs (batch, context): `batch` requests with a prompt of `context` tokens each (as
+            served requests have: a shared cached prompt kept the KV the batch reads in the CPU's caches), timed
+            over 12 steps once all decode; median per point over --repeats passes of the whole grid.
   transfer  KV bytes through the kvtransfer protocol between two processes over loopback (tcp, and ucx when
             ucxx is installed): bench/kvmethods' ProtocolMethod, as `pdserve bench kvtransfer` measures it;
             latency + bytes / rate fitted by least squares over the sizes.
@@ -17,8 +17,9 @@ With the real engine (engine.Engine) on the demo model, one torch thread by defa
             it includes computing the prompt's last token).
   host_sharing  a prefill step (256 new tokens; 128 after 256 cached) on one core, alone and beside a decoding
             engine in another process (16 requests at 256 tokens of context) pinned to the same core, then to
-            another core: the ratios to alone (fair sharing would be 2.0 and 1.0; two engines also share
-            memory bandwidth and caches). Needs two CPUs.
+            another core; and a decode step (16 requests at 256 tokens of context) the same way beside a
+            prefilling engine (256-token prompts): the ratios to alone, median of 3 rounds, at least 1 (fair
+            sharing would be 2.0 and 1.0; two engines also share memory bandwidth and caches). Needs two CPUs.
 The file names the machine (bench/measure.py machine_record), model, dtype, threads, KV layout and capacity.
 --quick: tiny grids, one repeat, no transfer, tier or sharing (tests); a full run takes a few minutes on 2 cores.
 """
@@ -71,12 +72,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 class Profiler:
     """One engine, reused for every grid point; every request is run to its end (no block held after a point)."""
 
-    def __init__(self, args: argparse.Namespace, longest: int) -> None:
+    def __init__(self, args: argparse.Namespace, longest: int, kv_tokens: int = 0, kv_bytes_per_token: int = 0) -> None:
+        """A pool of `args.kv_cache_mb` (what a worker gets), or one that holds `kv_tokens` when larger (a decode
+        batch with a context each)."""
         from common.engine_config import EngineConfig
         from engine import Engine
 
+        kv_mb = max(args.kv_cache_mb, -(-kv_tokens * kv_bytes_per_token // (1 << 20)) + 16)
         self.engine = Engine(EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.threads,
-                                          kv_cache_memory_mb=args.kv_cache_mb, max_num_batched_tokens=max(4096, longest),
+                                          kv_cache_memory_mb=kv_mb, max_num_batched_tokens=max(4096, longest),
                                           max_model_len=longest + 64))
         self.rng = np.random.default_rng(0)
         self.ids = 0
@@ -110,14 +114,12 @@ class Profiler:
         return seconds
 
     def decode(self, batch: int, context: int, steps: int) -> float:
-        """Median wall time of a decode step of `batch` requests at `context` tokens each."""
-        prefix = self.prompt(context - 1)
-        self._add(prefix + self.prompt(1), 1)
-        self._drain()
-        for _ in range(batch):
-            self._add(prefix + self.prompt(1), steps + 3)
-        for _ in range(2):  # the prompts' last tokens, then one decode step
-            self.engine.step()
+        """Median wall time of a decode step of `batch` requests at `context` tokens each, each request with a
+        context of its own, as served requests have (sharing one cached prefix, the batch read the same blocks, which
+        stay in the CPU's caches: up to ~25 % faster at 16 x 1,024 on a Zen 4). The pool must hold batch x context."""
+        pending = {self._add(self.prompt(context), steps + 3) for _ in range(batch)}
+        while pending:  # the prompts, until every request has its first token
+            pending -= {out.request_id for out in self.engine.step() if out.new_token_ids}
         times = []
         for _ in range(steps):
             started = time.perf_counter()
@@ -138,10 +140,17 @@ def measure_grids(args: argparse.Namespace, grid: dict[str, list[int]]) -> tuple
         prefill = [[statistics.median(profiler.prefill(n, c) for _ in range(args.repeats)) for c in grid["context"]]
                    for n in grid["tokens"]]
         log.info("prefill grid done")
-        decode = [[profiler.decode(b, c, steps=3 if args.quick else 6) for c in grid["decode_context"]] for b in grid["batch"]]
         layout, blocks = profiler.engine.layout, profiler.engine.blocks.num_blocks
         kv = {"block_size": layout.block_size, "num_layers": layout.num_layers,
               "kv_bytes_per_token": layout.num_layers * layout.bytes_per_token_per_layer, "kv_capacity_tokens": blocks * layout.block_size}
+    finally:
+        profiler.close()
+    steps, passes = (3, 1) if args.quick else (12, args.repeats)
+    profiler = Profiler(args, longest, kv_tokens=max(grid["batch"]) * (max(grid["decode_context"]) + steps + 8),
+                        kv_bytes_per_token=kv["kv_bytes_per_token"])
+    try:  # whole passes over the grid, a point's median across them: a VM's speed drifts over a pass's minute or two
+        decode = np.median([[[profiler.decode(b, c, steps) for c in grid["decode_context"]] for b in grid["batch"]]
+                            for _ in range(passes)], axis=0).tolist()
     finally:
         profiler.close()
     return ({"prefill": {"tokens": grid["tokens"], "context": grid["context"], "seconds": prefill},
@@ -185,22 +194,30 @@ def measure_tier(args: argparse.Namespace) -> dict[str, float]:
 
 SHARING_STEPS = ((256, 0), (128, 256))
 """The prefill steps host_sharing times: (new tokens, cached context)."""
+SHARING_DECODE = (16, 256)
+"""The decode step host_sharing times, and the one its decoding neighbour repeats: (batch, context)."""
+SHARING_KV_MB = 512
+"""The pool of host_sharing's engines: room for SHARING_DECODE's contexts in float32."""
 
 
-def co_runner(model: str, dtype: str, threads: int, ready: str) -> None:
-    """host_sharing's neighbour: an engine decoding 16 requests at 256 tokens of context until killed."""
-    profiler = Profiler(argparse.Namespace(model=model, dtype=dtype, threads=threads, kv_cache_mb=128), 1024)
+def co_runner(model: str, dtype: str, threads: int, ready: str, work: str = "decode") -> None:
+    """host_sharing's neighbour, until killed: an engine decoding (`SHARING_DECODE`) or prefilling 256-token prompts."""
+    profiler = Profiler(argparse.Namespace(model=model, dtype=dtype, threads=threads, kv_cache_mb=SHARING_KV_MB), 1024)
     Path(ready).write_text("ready")
     while True:
-        profiler.decode(16, 256, 20)
+        if work == "decode":
+            profiler.decode(*SHARING_DECODE, 20)
+        else:
+            profiler.prefill(256, 0)
 
 
 @contextmanager
-def neighbour(args: argparse.Namespace, cpu: int, timeout_s: float = 180.0) -> Iterator[None]:
-    """A co_runner process pinned to `cpu`, decoding from before the block starts until it ends."""
+def neighbour(args: argparse.Namespace, cpu: int, work: str = "decode", timeout_s: float = 180.0) -> Iterator[None]:
+    """A co_runner process pinned to `cpu`, decoding (or prefilling) from before the block starts until it ends."""
     ready = Path(f"/tmp/pdserve-profile-neighbour-{os.getpid()}-{cpu}")
     ready.unlink(missing_ok=True)
-    code = f"from bench.profile import co_runner; co_runner({args.model!r}, {args.dtype!r}, {args.threads}, {str(ready)!r})"
+    code = (f"from bench.profile import co_runner; "
+            f"co_runner({args.model!r}, {args.dtype!r}, {args.threads}, {str(ready)!r}, {work!r})")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[1],
                             preexec_fn=lambda: os.sched_setaffinity(0, {cpu}), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
@@ -218,35 +235,43 @@ def neighbour(args: argparse.Namespace, cpu: int, timeout_s: float = 180.0) -> I
 
 
 def measure_sharing(args: argparse.Namespace, rounds: int = 3) -> dict[str, Any] | None:
-    """The host_sharing section (see the module docstring): per round, the steps alone (before and after),
-    beside a neighbour on the same core, then on another core; the median ratio over the rounds (a
-    single round's other-core ratio spread 0.97-1.12 on a 2-core VM). None with fewer than two CPUs."""
+    """The host_sharing section (see the module docstring): per round and per step kind, the steps alone (before
+    and after), beside a neighbour of the other kind on the same core, then on another core; the median ratio over
+    the rounds (a single round's other-core ratio spread 0.97-1.12 on a 2-core VM). Prefill's ratios are
+    `same_core` / `other_core`, decode's `decode_same_core` / `decode_other_core`. None with fewer than two CPUs."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
         return None
     own = os.sched_getaffinity(0)
     os.sched_setaffinity(0, {cpus[0]})
-    profiler = Profiler(args, 1024)
-    runs = []
+    profiler = Profiler(argparse.Namespace(**{**vars(args), "kv_cache_mb": SHARING_KV_MB}), 1024)
+    kinds = {  # step kind: (its ratios' key prefix, the neighbour's work, the timed steps)
+        "prefill": ("", "decode", lambda: [statistics.median(profiler.prefill(n, c) for _ in range(args.repeats + 2))
+                                           for n, c in SHARING_STEPS]),
+        "decode": ("decode_", "prefill", lambda: [profiler.decode(*SHARING_DECODE, 20)]),
+    }
+    runs: dict[str, list[dict[str, Any]]] = {kind: [] for kind in kinds}
     try:
-        def timed() -> list[float]:
-            return [statistics.median(profiler.prefill(n, c) for _ in range(args.repeats + 2)) for n, c in SHARING_STEPS]
-
-        timed()  # warm-up: the first steps of each shape run slower
-        for _ in range(rounds):
-            before, beside = timed(), {}
-            for name, cpu in (("same_core", cpus[0]), ("other_core", cpus[1])):
-                with neighbour(args, cpu):
-                    beside[name] = timed()
-            alone = [(a + b) / 2 for a, b in zip(before, timed())]  # before and after: the machine's drift in between
-            runs.append({"alone_s": alone, **{f"{k}_s": v for k, v in beside.items()},
-                         **{k: statistics.mean(t / a for t, a in zip(v, alone)) for k, v in beside.items()}})
+        for kind, (prefix, work, timed) in kinds.items():
+            timed()  # warm-up: the first steps of each shape run slower
+            for _ in range(rounds):
+                before, beside = timed(), {}
+                for name, cpu in (("same_core", cpus[0]), ("other_core", cpus[1])):
+                    with neighbour(args, cpu, work):
+                        beside[prefix + name] = timed()
+                alone = [(a + b) / 2 for a, b in zip(before, timed())]  # before and after: the machine's drift in between
+                runs[kind].append({"alone_s": alone, **{f"{k}_s": v for k, v in beside.items()},
+                                   **{k: statistics.mean(t / a for t, a in zip(v, alone)) for k, v in beside.items()}})
     finally:
         profiler.close()
         os.sched_setaffinity(0, own)
-    return {**{k: round(statistics.median(r[k] for r in runs), 3) for k in ("same_core", "other_core")},
-            "steps": [list(s) for s in SHARING_STEPS], "rounds": runs, "cpus": cpus[:2],
-            "neighbour": "an engine decoding 16 requests at 256 tokens of context, in its own process"}
+    # a median below 1 is the machine's drift between the timings alone and beside (rounds keep the raw ratios)
+    ratios = {key: round(max(1.0, statistics.median(r[key] for r in runs[kind])), 3)
+              for kind, (prefix, _, _) in kinds.items() for key in (prefix + "same_core", prefix + "other_core")}
+    return {**ratios, "steps": [list(s) for s in SHARING_STEPS], "decode_step": list(SHARING_DECODE),
+            "rounds": runs["prefill"], "decode_rounds": runs["decode"], "cpus": cpus[:2],
+            "neighbour": "prefill steps: an engine decoding 16 requests at 256 tokens of context; decode steps: an engine "
+                         "prefilling 256-token prompts; each in its own process"}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -119,10 +119,10 @@ class Cluster:
     def _hosts(spec: ClusterSpec, profile: Profile) -> list[Host | None]:
         if not spec.cores:
             return [None]
-        ratios = profile.same_core_ratio, profile.other_core_ratio
+        sharing = profile.sharing()
         if not spec.pinned:
-            return [Host(spec.cores, *ratios)]
-        cores = [Host(1, *ratios) for _ in range(max(1, int(spec.cores)))]
+            return [Host(spec.cores, *sharing)]
+        cores = [Host(1, *sharing) for _ in range(max(1, int(spec.cores)))]
         for core in cores:
             core.peers = [other for other in cores if other is not core]
         return cores

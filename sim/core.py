@@ -16,6 +16,7 @@ from __future__ import annotations
 import heapq
 import itertools
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -38,28 +39,38 @@ class Loop:
             fn(*args)
 
 
+@dataclass(frozen=True)
+class Sharing:
+    """What sharing a CPU costs one kind of step, as `pdserve profile` measures it (sim/profile.py `Profile`):
+    `same_core`, its time with a second engine on its core over its time alone (2.0: fair sharing, nothing lost);
+    `other_core`, its time while an engine runs on another core (1.0: no effect)."""
+
+    same_core: float = 2.0
+    other_core: float = 1.0
+
+
 class Host:
-    """CPU cores shared by the workers placed on it; `factor()` is how much slower a step runs now.
+    """CPU cores shared by the workers placed on it; `factor(decoding)` is how much slower a step runs now.
 
-    `same_core_ratio`: a step's time with a second engine on its core over its time alone (2.0: fair
-    sharing, nothing lost); `other_core_ratio`: its time while an engine runs on another core (1.0: no
-    effect). Both are measured by `pdserve profile` (sim/profile.py `Profile`)."""
+    A prefill (or mixed) step pays `prefill`'s ratios, a decode-only step `decode`'s (by default the same): a
+    decode step reads the whole model for a few tokens, so a neighbour's traffic on memory and caches costs it more."""
 
-    def __init__(self, cores: float, same_core_ratio: float = 2.0, other_core_ratio: float = 1.0) -> None:
+    def __init__(self, cores: float, prefill: Sharing = Sharing(), decode: Sharing | None = None) -> None:
         self.cores = cores
-        self.same_core_ratio, self.other_core_ratio = same_core_ratio, other_core_ratio
+        self.sharing = {False: prefill, True: decode or prefill}
         self.busy: set[int] = set()
         self.workers: list = []
         self.peers: list[Host] = []
         """The machine's other cores, when workers are pinned one core each."""
 
-    def factor(self) -> float:
+    def factor(self, decoding: bool = False) -> float:
+        ratios = self.sharing[decoding]
         busy = len(self.busy)
         factor = 1.0
         if busy > self.cores:
-            factor = busy / self.cores * self.same_core_ratio / 2
+            factor = busy / self.cores * ratios.same_core / 2
         if (busy >= 2 and self.cores >= 2) or any(peer.busy for peer in self.peers):
-            factor *= self.other_core_ratio
+            factor *= ratios.other_core
         return factor
 
     def set_busy(self, worker, busy: bool) -> None:

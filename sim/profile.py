@@ -25,8 +25,9 @@ upper bound: it includes that step).
 
 Sharing a CPU (`host_sharing`, measured on a CPU with two cores or more): a prefill step's time beside a
 decoding engine on the same core (`same_core`, 2.0 would be fair sharing with nothing lost) and on
-another core (`other_core`, 1.0 would be no effect), each over its time alone; sim/core.py `Host`
-applies them. Profiles without it get 2.0 and 1.0.
+another core (`other_core`, 1.0 would be no effect), each over its time alone, and a decode step's beside a
+prefilling engine (`decode_same_core`, `decode_other_core`); sim/core.py `Host` applies them. Profiles without it
+get 2.0 and 1.0; without the decode ratios, the prefill step's.
 
 Tensor parallelism: a profile measured at TP 1 says how TP scales its steps (`tp_scaling`: the
 efficiency e(t) at t ranks, step time / (t x e(t))) and its KV capacity (per rank, so x t); a
@@ -40,6 +41,8 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from sim.core import Sharing
 
 PROFILE_KIND = "pdserve-profile"
 SHIPPED = Path(__file__).parent / "profiles"
@@ -111,6 +114,11 @@ class Profile:
     2.0 where not measured: fair sharing, nothing lost)."""
     other_core_ratio: float = 1.0
     """Its time beside a decoding engine on another core over its time alone (1.0 where not measured)."""
+    decode_same_core_ratio: float | None = None
+    """A decode step's time beside a prefilling engine on the same core over its time alone
+    (`host_sharing.decode_same_core`); None where not measured: the prefill step's ratio."""
+    decode_other_core_ratio: float | None = None
+    """The same beside a prefilling engine on another core (`host_sharing.decode_other_core`)."""
     estimate: bool = False
     source: str = ""
     machine: dict[str, Any] = field(default_factory=dict)
@@ -157,6 +165,12 @@ class Profile:
         """d(step time)/d(context) near `context`: how much longer each step gets as every context grows by one."""
         return max(0.0, (self.decode_s(batch, context + 64, tp) - self.decode_s(batch, context, tp)) / 64)
 
+    def sharing(self) -> tuple[Sharing, Sharing]:
+        """What sharing a CPU costs a prefill step and a decode step (sim/core.py `Host`)."""
+        prefill = Sharing(self.same_core_ratio, self.other_core_ratio)
+        decode = Sharing(self.decode_same_core_ratio or prefill.same_core, self.decode_other_core_ratio or prefill.other_core)
+        return prefill, decode
+
     def link(self, transport: str | None = None) -> Link:
         if transport is None:
             return next(iter(self.links.values()))
@@ -197,6 +211,10 @@ def load_profile(path: str | Path) -> Profile:
     return profile_from_dict(data, str(p))
 
 
+def _ratio(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
 def _grid(data: dict, name: str, xkey: str, ykey: str) -> Grid:
     section = data.get(name)
     if not isinstance(section, dict):
@@ -226,7 +244,7 @@ def profile_from_dict(data: dict, path: str = "") -> Profile:
             raise ValueError(f"profile.{key}: must be an integer > 0")
     tier = data.get("tier") or {}
     sharing = data.get("host_sharing") or {}
-    for key in ("same_core", "other_core"):
+    for key in ("same_core", "other_core", "decode_same_core", "decode_other_core"):
         if key in sharing and not (isinstance(sharing[key], (int, float)) and sharing[key] >= 1.0):
             raise ValueError(f"profile.host_sharing.{key}: must be a ratio >= 1")
     scaling = {int(k): float(v) for k, v in (data.get("tp_scaling") or {"1": 1.0}).items()}
@@ -243,6 +261,8 @@ def profile_from_dict(data: dict, path: str = "") -> Profile:
                                   "prompt_tokens": float(tier.get("prompt_tokens") or 0)} if tier.get("measured") else {},
                    tp_scaling=scaling, same_core_ratio=float(sharing.get("same_core", 2.0)),
                    other_core_ratio=float(sharing.get("other_core", 1.0)),
+                   decode_same_core_ratio=_ratio(sharing.get("decode_same_core")),
+                   decode_other_core_ratio=_ratio(sharing.get("decode_other_core")),
                    estimate=bool(data.get("estimate", False)), source=str(data.get("source", "")), machine=data.get("machine") or {},
                    threads=data.get("threads"), max_num_batched_tokens=int(data.get("max_num_batched_tokens", 2048)), path=path)
 

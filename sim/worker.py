@@ -190,7 +190,7 @@ class Worker:
             self._set_busy(False)
             return
         self._set_busy(True)
-        factor = self.host.factor() if self.host else 1.0
+        factor = self.host.factor(decoding=not chunks) if self.host else 1.0
         step = Step(now, decodes, chunks, factor=factor, mark=now)
         if decodes and not chunks:
             step.k = self._decode_run(decodes)
@@ -380,7 +380,7 @@ class Worker:
         step = self.step
         if step is None:
             return
-        step.rescale(self.loop.now, self.host.factor())
+        step.rescale(self.loop.now, self.host.factor(decoding=not step.chunks))
         if not self._cut():
             self._reschedule()
 

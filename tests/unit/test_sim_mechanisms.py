@@ -11,6 +11,7 @@ import dataclasses
 import pytest
 
 from sim.cluster import Cluster, ClusterSpec
+from sim.core import Host, Sharing
 from sim.profile import PROFILE_KIND, linear_profile, profile_from_dict
 from sim.workload import SimRequest, chain_keys
 
@@ -66,6 +67,30 @@ def test_measured_host_sharing_scales_steps_by_its_ratios():
     assert lone[0].ttft == pytest.approx(alone), "alone on the machine: the profile's own time"
 
 
+def test_a_decode_step_pays_the_decode_ratios_of_host_sharing():
+    """1P+1D pinned on two cores: a request decoding while the other core prefills a long prompt runs every step
+    decode_other_core x slower (a decode step reads the whole model, so the neighbour costs it more than the prefill
+    step's other_core); unmeasured, the decode ratios are the prefill step's."""
+    measured = dataclasses.replace(linear_profile(), same_core_ratio=2.2, other_core_ratio=1.1,
+                                   decode_same_core_ratio=2.6, decode_other_core_ratio=1.4)
+    step = measured.decode_s(1, 17)
+
+    def decoding_beside_a_prefill(profile) -> float:
+        requests = [SimRequest(0, 0.0, 16, 21, ()), SimRequest(1, 0.0, 8000, 1, ())]
+        run(ClusterSpec(prefill=1, decode=1, cores=2, pinned=True), profile, requests)
+        assert requests[1].first_token > requests[0].finish, "the decode ran while the other core prefilled"
+        return requests[0].tpot
+
+    assert decoding_beside_a_prefill(measured) == pytest.approx(1.4 * step, rel=0.02)
+    assert decoding_beside_a_prefill(dataclasses.replace(measured, decode_same_core_ratio=None, decode_other_core_ratio=None)) \
+        == pytest.approx(1.1 * step, rel=0.02)
+    assert measured.sharing()[1] == Sharing(2.6, 1.4)
+    shared, other = Host(1, *measured.sharing()), Host(1, *measured.sharing())
+    shared.peers, other.peers = [other], [shared]
+    shared.busy, other.busy = {0, 1}, {2}
+    assert (shared.factor(decoding=True), shared.factor()) == pytest.approx((2.6 * 1.4, 2.2 * 1.1))
+
+
 def test_host_sharing_ratios_are_checked():
     data = {"kind": PROFILE_KIND, "block_size": 16, "num_layers": 30, "kv_bytes_per_token": 1000, "kv_capacity_tokens": 4096,
             "prefill": {"tokens": [16, 64], "context": [0], "seconds": [[0.01], [0.02]]},
@@ -74,8 +99,13 @@ def test_host_sharing_ratios_are_checked():
     data["host_sharing"] = {"same_core": 2.1, "other_core": 0.5}
     with pytest.raises(ValueError, match="host_sharing.other_core"):
         profile_from_dict(data)
-    data["host_sharing"] = {"same_core": 2.1, "other_core": 1.02}
-    assert (profile_from_dict(data).same_core_ratio, profile_from_dict(data).other_core_ratio) == (2.1, 1.02)
+    data["host_sharing"] = {"same_core": 2.1, "other_core": 1.02, "decode_other_core": 0.9}
+    with pytest.raises(ValueError, match="host_sharing.decode_other_core"):
+        profile_from_dict(data)
+    data["host_sharing"] = {"same_core": 2.1, "other_core": 1.02, "decode_same_core": 2.3, "decode_other_core": 1.3}
+    assert profile_from_dict(data).sharing() == (Sharing(2.1, 1.02), Sharing(2.3, 1.3))
+    del data["host_sharing"]["decode_same_core"], data["host_sharing"]["decode_other_core"]
+    assert profile_from_dict(data).sharing() == (Sharing(2.1, 1.02), Sharing(2.1, 1.02)), "a decode step: the prefill's when unmeasured"
     del data["host_sharing"]
     assert (profile_from_dict(data).same_core_ratio, profile_from_dict(data).other_core_ratio) == (2.0, 1.0), "fair sharing when unmeasured"
 
