@@ -35,7 +35,7 @@ import pytest
 from bench.cluster import LocalCluster, Proc, write_config
 from proto.pdserve.v1 import pdserve_pb2 as pb
 from proto.pdserve.v1 import pdserve_pb2_grpc as pb_grpc
-from tests.conftest import wait_until
+from tests.conftest import wait_for, wait_until
 
 pytestmark = pytest.mark.timeout(420)
 
@@ -129,13 +129,14 @@ class SteadyLoad:
 
     def wait_ok(self, count: int, after: float = 0.0, timeout: float = 120.0) -> float:
         """Wait until `count` requests started after `after` finished OK; returns when the first did."""
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def first_of_enough() -> float | None:
             done = sorted(o.ended for o in list(self.outcomes) if o.ok and o.started >= after)
-            if len(done) >= count:
-                return done[0]
-            time.sleep(0.1)
-        raise AssertionError(f"fewer than {count} requests succeeded after t={after:.1f}: {summary(self.outcomes)}")
+            return done[0] if len(done) >= count else None
+
+        try:
+            return wait_for(first_of_enough, timeout, f"{count} requests started after t={after:.1f} succeed")
+        except AssertionError:
+            raise AssertionError(f"fewer than {count} requests succeeded after t={after:.1f}: {summary(self.outcomes)}") from None
 
 
 def summary(outcomes: list[Outcome]) -> dict:
