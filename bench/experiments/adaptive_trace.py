@@ -237,11 +237,11 @@ def acceptance(results: dict[str, dict], name: str = "adaptive") -> dict[str, An
 
 
 # ---- summary and plot --------------------------------------------------------------------------
-def load_results(tid: str) -> dict[str, dict]:
-    """Every per-config result of trace `tid` found in RESULTS, by config."""
+def load_results(tid: str, stem: str = NAME) -> dict[str, dict]:
+    """Every per-config result of trace `tid` found in RESULTS (`<stem>_<config>.json`), by config."""
     found = {}
     for name in CONFIGS:
-        path = common.RESULTS / f"{NAME}_{name}.json"
+        path = common.RESULTS / f"{stem}_{name}.json"
         if path.exists():
             data = json.loads(path.read_text())
             if data["trace"]["id"] == tid:
@@ -251,16 +251,16 @@ def load_results(tid: str) -> dict[str, dict]:
 
 def summarize(results: dict[str, dict], info: dict, args: argparse.Namespace, phases: list[str]) -> dict[str, Any]:
     return {
-        "experiment": NAME, "command": common.command_line(), "machine": info, "params": vars(args),
+        "experiment": args.results_name, "command": common.command_line(), "machine": info, "params": vars(args),
         "phases": [asdict(p) for p in PHASES], "phase_names": phases, "adaptive_settings": ADAPTIVE,
         "results": {n: {k: r.get(k) for k in ("shape", "slos_ms", "trace", "loadavg", "cpu", "metrics", "events", "leaked_kv_blocks",
-                                          "workers_at_end")} | {"raw": f"{NAME}_{n}.json"} for n, r in results.items()},
+                                          "workers_at_end")} | {"raw": f"{args.results_name}_{n}.json"} for n, r in results.items()},
         "acceptance": acceptance(results),
         "acceptance_by_config": {n: acceptance(results, n) for n in results if CONFIGS[n]["adaptive"]},
     }
 
 
-def plot(results: dict[str, dict], phases: list[str], phase_s: float) -> str:
+def plot(results: dict[str, dict], phases: list[str], phase_s: float, stem: str = NAME) -> str:
     plt = common.pyplot()
     adaptive = [n for n in results if CONFIGS[n]["adaptive"]]
     fig, axes = plt.subplots(1 + len(adaptive), 1, figsize=(13, 4.6 * (1 + len(adaptive))), squeeze=False)
@@ -277,7 +277,7 @@ def plot(results: dict[str, dict], phases: list[str], phase_s: float) -> str:
     bars.grid(alpha=0.3, axis="y")
     for row, name in zip(axes[1:], adaptive):
         timeline(row[0], name, results[name], phases, phase_s)
-    return common.save_figure(fig, f"{NAME}.png")
+    return common.save_figure(fig, f"{stem}.png")
 
 
 def timeline(ax, name: str, res: dict, phases: list[str], phase_s: float) -> None:
@@ -407,6 +407,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--summary-only", action="store_true", help="rebuild the summary and plot from the per-config files")
     p.add_argument("--docs", action="store_true", help="rewrite the generated block of docs/benchmarks/adaptive_trace.md from the summary")
     p.add_argument("--quick", action="store_true", help="three 12 s phases, short lengths (results under bench/results/quick/)")
+    p.add_argument("--results-name", default=NAME, help="stem of the result files (<stem>.json, <stem>_<config>.json): "
+                   "the simulator's validation keeps its runs apart from the adaptive benchmark's judged ones")
     return p
 
 
@@ -421,16 +423,16 @@ def main(argv: list[str] | None = None) -> int:
     for name in [] if args.summary_only else args.configs:
         result = run_config(name, specs, phase_of, kind_of, args)
         result["machine"] = common.finish(dict(info), started)
-        common.save(f"{NAME}_{name}", result, history=False)
+        common.save(f"{args.results_name}_{name}", result, history=False)
         overall = result["metrics"]["overall"]
         print(f"{name}: goodput {overall['goodput']:.3f} req/s ({overall['good_requests']}/{overall['sent']} good, "
               f"{overall['failed']} failed), {len(result['events'])} events", file=sys.stderr)
-    results = load_results(trace_id(specs))
+    results = load_results(trace_id(specs), args.results_name)
     if not results:
         return 1
     report = summarize(results, common.finish(info, started), args, phases)
-    report["plot"] = plot(results, phases, args.phase_s)
-    common.save(NAME, report)
+    report["plot"] = plot(results, phases, args.phase_s, args.results_name)
+    common.save(args.results_name, report)
     if args.docs and not args.quick:
         write_doc(markdown(report))
     if report["acceptance"]:

@@ -8,7 +8,7 @@ Two workloads, each run for real and simulated with a profile measured on the ru
             router, the run's prefill + decode workers): every setup it ran that the simulator models
             (round_robin, prefix_aware, kv_aware, kv_aware+tier; not router.kv_pull)
   adaptive  the shifting trace of bench/experiments/adaptive_trace.py (the real Ray deployment):
-            colocated (0P+2D), 1p1d, 1p2d
+            colocated (0P+2D), 1p1d, 1p2d, kept as bench/results/sim_validation_adaptive_<config>.json
 Each case gets its own profile: the shipped measured one (sim/profiles, estimates excluded) whose CPU kind
 and dtype are the run's (`comparable`; an engine dtype `auto` is what the run's CPU resolves it to);
 `--profile` overrides that for every case. A case no shipped profile matches is simulated with the
@@ -25,10 +25,11 @@ goodput (common/slo.py; the runs' own SLOs, per request for the adaptive trace),
 (simulated / measured - 1), against the issue's bounds: 15 % on p50s and goodput, 25 % on p99s. Also the
 simulator's pick among the adaptive trace's three shapes (highest goodput) against the real runs' pick.
 
---from-results compares with the runs already in bench/results (their commit and load are in their files:
-the comparison is only as good as those runs); --quick runs both experiments small (adaptive --quick,
+--from-results compares with this command's last runs in bench/results (sim_validation_trace.json,
+sim_validation_adaptive_<config>.json; --workloads reruns one of them; their commit and load are in their files: the
+comparison is only as good as those runs); --quick runs both experiments small (adaptive --quick,
 trace 24 requests) and writes bench/results/quick/sim_validation.json; without either, the experiments run at
-their defaults (about 35-40 minutes on a quiet 2-core machine: trace replay of four configurations ~13 min,
+their defaults (the trace at TRACE_LOAD; about 35-40 minutes on a quiet 2-core machine: trace replay of four configurations ~13 min,
 three adaptive deployments ~4.5 min of trace each plus start-up) and the table goes to
 bench/results/sim_validation.json (and docs/simulator.md with --docs).
 """
@@ -62,8 +63,16 @@ DEFAULT_PROFILE = "cpu_epyc_avx2_smollm2_fp32"
 """The profile a case with no matching shipped one (and no CPU-kind match either) is simulated with."""
 TRACE_CONFIGS = ("round_robin", "prefix_aware", "kv_aware", "kv_aware+tier")
 """The trace replay's setups (bench/trace/setups.py) the simulator models: run for real by this command."""
+TRACE_LOAD = 0.65
+"""The share of the calibrated rate the trace is offered (the replay's own default is 0.8): its calibration, 16
+requests sent at once, overstates what the cluster sustains by up to ~20 % run to run (2.47-2.89 req/s for the same
+requests and shape), and at 0.8 x 2.89 the single prefill worker fell behind for the whole replay (TTFT p50 3.4-12 s,
+growing with time): a queue that only grows says how far the rates differ, not whether the stages are right."""
 STAGES = ("decode_admission_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "ttft_s")
 ADAPTIVE_CONFIGS = {"colocated": (0, 2), "1p1d": (1, 1), "1p2d": (1, 2)}
+ADAPTIVE_RESULTS = "sim_validation_adaptive"
+"""The stem of this command's adaptive runs (bench/results/<stem>_<config>.json): apart from the adaptive benchmark's
+own runs (adaptive_trace_<config>.json), whose fixed shapes are judged beside its adaptive configs of the same session."""
 BOUNDS = {"ttft_p50": 0.15, "itl_p50": 0.15, "goodput": 0.15, "ttft_p99": 0.25, "itl_p99": 0.25}
 CORES = 2
 TRACE_PINNED = True
@@ -89,9 +98,9 @@ def run_real(args: argparse.Namespace, results: Path) -> None:
 
     if "trace" in args.workloads:
         extra = ["--requests", "24"] if args.quick else []
-        trace_replay.main(["--configs", *TRACE_CONFIGS, *extra, "--out", str(results / "sim_validation_trace.json")])
+        trace_replay.main(["--configs", *TRACE_CONFIGS, "--load", str(TRACE_LOAD), *extra, "--out", str(results / "sim_validation_trace.json")])
     if "adaptive" in args.workloads:
-        adaptive_trace.main(["--configs", *ADAPTIVE_CONFIGS, *(["--quick"] if args.quick else [])])
+        adaptive_trace.main(["--configs", *ADAPTIVE_CONFIGS, "--results-name", ADAPTIVE_RESULTS, *(["--quick"] if args.quick else [])])
 
 
 def real_metrics(records: list[dict], slos: dict[str, float]) -> dict[str, Any]:
@@ -187,7 +196,7 @@ def trace_cases(path: Path, requests_path: Path, configs: tuple[str, ...] = TRAC
 def adaptive_cases(results: Path) -> list[dict[str, Any]]:
     cases = []
     for name, (p, d) in ADAPTIVE_CONFIGS.items():
-        path = results / f"adaptive_trace_{name}.json"
+        path = results / f"{ADAPTIVE_RESULTS}_{name}.json"
         if not path.exists():
             continue
         run = json.loads(path.read_text())
@@ -358,7 +367,7 @@ def main(argv: list[str] | None = None) -> int:
         run_real(args, results)
     cases, skipped = [], {}
     if "trace" in args.workloads:
-        trace_json = results / ("trace_replay.json" if args.from_results else "sim_validation_trace.json")
+        trace_json = results / "sim_validation_trace.json"
         if trace_json.exists():
             found, skipped = trace_cases(trace_json, trace_json.with_name(trace_json.stem + "_requests.json"))
             cases += found

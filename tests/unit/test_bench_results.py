@@ -16,7 +16,7 @@ REPO = Path(__file__).resolve().parents[2]
 RESULTS = REPO / "bench" / "results"
 DOCS = [REPO / "README.md", REPO / "docs" / "benchmarks.md", *sorted((REPO / "docs" / "benchmarks").glob("*.md"))]
 FIELDS = {"experiment", "commit", "date", "machine", "command", "headline"}
-NOT_RUNS = re.compile(r"(adaptive_trace|goodput|prefill_interference)_.+|.+_requests|static_vs_continuous_served|all|faults|overload|soak|gpu_probe_h200")
+NOT_RUNS = re.compile(r"(adaptive_trace|sim_validation_adaptive|goodput|prefill_interference)_.+|.+_requests|static_vs_continuous_served|all|faults|overload|soak|gpu_probe_h200")
 """Result files that are no run of their own: a run's raw parts beside its summary, and tests' outputs."""
 
 
