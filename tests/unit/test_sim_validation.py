@@ -48,6 +48,18 @@ def test_trace_cases_replay_the_real_requests():
         assert row["kv_blocks"] == run["cluster"]["kv_blocks_per_worker"]
 
 
+def test_adaptive_cases_are_the_validations_own_runs_not_the_adaptive_benchmarks():
+    """The validation reads its adaptive shapes from sim_validation_adaptive_<config>.json (where its runs go), never from
+    adaptive_trace_<config>.json, the adaptive benchmark's fixed shapes judged beside its adaptive configs."""
+    cases = sim_validation.adaptive_cases(RESULTS)
+    assert [c["config"] for c in cases] == list(sim_validation.ADAPTIVE_CONFIGS)
+    for case in cases:
+        own = json.loads((RESULTS / f"{sim_validation.ADAPTIVE_RESULTS}_{case['config']}.json").read_text())
+        assert case["records"] == own["requests"]
+        assert (case["spec"].prefill, case["spec"].decode) == sim_validation.ADAPTIVE_CONFIGS[case["config"]]
+    assert sim_validation.adaptive_cases(RESULTS / "no such directory") == []
+
+
 def test_another_machine_kind_is_not_judged():
     profile = load_profile(sim_validation.DEFAULT_PROFILE)
     same = dict(profile.machine)
