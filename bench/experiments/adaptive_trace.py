@@ -43,8 +43,8 @@ of the deployment, of this process and of everything else on the machine (a shar
 users' work is recorded, not prevented; the Ray workers run at nice 0, not Ray's 15, so that they
 compete for the cores like any process); read the workers' KV blocks once
 the trace is done (all must be free again: no block leaked); SIGTERM the serve (it drains and
-removes every actor). Each config writes bench/results/adaptive_trace_<config>.json (raw records);
-the summary bench/results/adaptive_trace.json and adaptive_trace.png are rebuilt from every
+removes every actor). Each config writes bench/results/adaptive_trace_<config>.json (raw records; another stem
+with --results-name, as the simulator's validation does); the summary adaptive_trace.json and .png are rebuilt from every
 per-config file of the same trace, so the configs can run one per command (the machine's CPU lock
 is taken per command, between configs). Goodput = requests meeting both SLOs (TTFT and TPOT) per
 second: per phase, over the requests that arrived in it, divided by the phase's length; overall,

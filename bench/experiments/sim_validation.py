@@ -29,8 +29,8 @@ simulator's pick among the adaptive trace's three shapes (highest goodput) again
 sim_validation_adaptive_<config>.json; --workloads reruns one of them; their commit and load are in their files: the
 comparison is only as good as those runs); --quick runs both experiments small (adaptive --quick,
 trace 24 requests) and writes bench/results/quick/sim_validation.json; without either, the experiments run at
-their defaults (the trace at TRACE_LOAD; about 35-40 minutes on a quiet 2-core machine: trace replay of four configurations ~13 min,
-three adaptive deployments ~4.5 min of trace each plus start-up) and the table goes to
+their defaults (the trace at TRACE_LOAD; about 26 minutes on a quiet 2-core machine: trace replay of four configurations ~12 min,
+three adaptive deployments ~4.3 min each with start-up) and the table goes to
 bench/results/sim_validation.json (and docs/simulator.md with --docs).
 """
 
