@@ -5,8 +5,9 @@
 Two workloads, each run for real and simulated with a profile measured on the run's machine kind (sim/profiles/,
 `pdserve profile`; its numbers come from the engine alone, nothing is fitted to these runs):
   trace     the scaled Mooncake conversation trace through bench/experiments/trace_replay.py (real
-            router, the run's prefill + decode workers): every setup it ran that the simulator models
-            (round_robin, prefix_aware, kv_aware, kv_aware+tier; not router.kv_pull)
+            router, the run's prefill + decode workers) in three shapes (TRACE_SHAPES): 1P+2D with every setup
+            the simulator models (round_robin, prefix_aware, kv_aware, kv_aware+tier; not router.kv_pull),
+            1P+1D and colocated (0P+2D) with kv_aware at the 1P+2D run's rate
   adaptive  the shifting trace of bench/experiments/adaptive_trace.py (the real Ray deployment):
             colocated (0P+2D), 1p1d, 1p2d, kept as bench/results/sim_validation_adaptive_<config>.json
 Each case gets its own profile: the shipped measured one (sim/profiles, estimates excluded) whose CPU kind
@@ -23,14 +24,15 @@ prefill queue and compute, KV transfer, TTFT) real vs simulated. Compared: TTFT 
 gap between streamed tokens) and
 goodput (common/slo.py; the runs' own SLOs, per request for the adaptive trace), as relative errors
 (simulated / measured - 1), against the issue's bounds: 15 % on p50s and goodput, 25 % on p99s. Also the
-simulator's pick among the adaptive trace's three shapes (highest goodput) against the real runs' pick.
+simulator's pick among each workload's three shapes (highest goodput; the trace's under kv_aware) against the real
+runs' pick.
 
---from-results compares with this command's last runs in bench/results (sim_validation_trace.json,
+--from-results compares with this command's last runs in bench/results (sim_validation_trace[_<shape>].json,
 sim_validation_adaptive_<config>.json; --workloads reruns one of them; their commit and load are in their files: the
 comparison is only as good as those runs); --quick runs both experiments small (adaptive --quick,
 trace 24 requests) and writes bench/results/quick/sim_validation.json; without either, the experiments run at
-their defaults (the trace at TRACE_LOAD; about 26 minutes on a quiet 2-core machine: trace replay of four configurations ~12 min,
-three adaptive deployments ~4.3 min each with start-up) and the table goes to
+their defaults (the trace at TRACE_LOAD; about 33 minutes on a quiet 2-core machine: trace replay of four configurations ~12 min
+and of two more shapes ~7, three adaptive deployments ~4.3 min each with start-up) and the table goes to
 bench/results/sim_validation.json (and docs/simulator.md with --docs).
 """
 
@@ -68,6 +70,10 @@ TRACE_LOAD = 0.65
 requests sent at once, overstates what the cluster sustains by up to ~20 % run to run (2.47-2.89 req/s for the same
 requests and shape), and at 0.8 x 2.89 the single prefill worker fell behind for the whole replay (TTFT p50 3.4-12 s,
 growing with time): a queue that only grows says how far the rates differ, not whether the stages are right."""
+TRACE_SHAPES = {"1p2d": (1, 2, TRACE_CONFIGS), "1p1d": (1, 1, ("kv_aware",)), "colocated": (0, 2, ("kv_aware",))}
+"""The trace's shapes (prefill workers, decode workers, setups): 1P+2D with every setup the simulator models, then
+1P+1D and colocated (0P+2D) with kv_aware, offered the 1P+2D run's rate, so that the simulator's pick among the three
+shapes can be set against the real runs' as on the adaptive trace."""
 STAGES = ("decode_admission_s", "prefill_queue_s", "prefill_compute_s", "kv_transfer_s", "ttft_s")
 ADAPTIVE_CONFIGS = {"colocated": (0, 2), "1p1d": (1, 1), "1p2d": (1, 2)}
 ADAPTIVE_RESULTS = "sim_validation_adaptive"
@@ -98,9 +104,19 @@ def run_real(args: argparse.Namespace, results: Path) -> None:
 
     if "trace" in args.workloads:
         extra = ["--requests", "24"] if args.quick else []
-        trace_replay.main(["--configs", *TRACE_CONFIGS, "--load", str(TRACE_LOAD), *extra, "--out", str(results / "sim_validation_trace.json")])
+        rate = None
+        for shape, (prefill, decode, configs) in TRACE_SHAPES.items():
+            pace = ["--rate", str(rate)] if rate else ["--load", str(TRACE_LOAD)]
+            path = trace_path(results, shape)
+            trace_replay.main(["--configs", *configs, "--prefill", str(prefill), "--decode", str(decode), *pace, *extra, "--out", str(path)])
+            rate = rate or json.loads(path.read_text())["trace"]["time"]["rate"]
     if "adaptive" in args.workloads:
         adaptive_trace.main(["--configs", *ADAPTIVE_CONFIGS, "--results-name", ADAPTIVE_RESULTS, *(["--quick"] if args.quick else [])])
+
+
+def trace_path(results: Path, shape: str) -> Path:
+    """Where the trace run of `shape` is kept (the 1P+2D one under its historical name)."""
+    return results / ("sim_validation_trace.json" if shape == "1p2d" else f"sim_validation_trace_{shape}.json")
 
 
 def real_metrics(records: list[dict], slos: dict[str, float]) -> dict[str, Any]:
@@ -306,18 +322,22 @@ def compare(case: dict[str, Any], profile: Profile) -> dict[str, Any]:
             "not_comparable": comparable(case["machine"], case["dtype"], profile)}
 
 
-def picks(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    adaptive = [r for r in rows if r["workload"] == "adaptive"]
-    if len(adaptive) < 2:
+def pick(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The shape with the highest goodput among `rows` (one per shape), real and simulated; None with fewer than two."""
+    rows = [r for r in rows if not r["not_comparable"]]
+    if len(rows) < 2:
         return None
-    adaptive = [r for r in adaptive if not r["not_comparable"]]
-    if len(adaptive) < 2:
-        return None
-    real = max(adaptive, key=lambda r: r["real"]["goodput"])["config"]
-    sim = max(adaptive, key=lambda r: r["sim"]["goodput"])["config"]
-    ties = [r["config"] for r in adaptive if r["real"]["goodput"] == max(x["real"]["goodput"] for x in adaptive)]
+    real = max(rows, key=lambda r: r["real"]["goodput"])["config"]
+    sim = max(rows, key=lambda r: r["sim"]["goodput"])["config"]
+    ties = [r["config"] for r in rows if r["real"]["goodput"] == max(x["real"]["goodput"] for x in rows)]
     return {"real_best": real, "sim_best": sim, "same": real == sim, "real_ties": ties if len(ties) > 1 else [],
-            "goodput": {r["config"]: {"real": r["real"]["goodput"], "sim": r["sim"]["goodput"]} for r in adaptive}}
+            "goodput": {r["config"]: {"real": r["real"]["goodput"], "sim": r["sim"]["goodput"]} for r in rows}}
+
+
+def picks(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per workload, the best of its three shapes: the adaptive trace's, and the conversation trace's under kv_aware."""
+    return {"adaptive": pick([r for r in rows if r["workload"] == "adaptive"]),
+            "trace": pick([r for r in rows if r["workload"] == "trace" and r["config"].endswith(" kv_aware")])}
 
 
 def markdown(report: dict[str, Any]) -> str:
@@ -340,11 +360,11 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append(f"| {r['workload']} | {r['config']} | {Path(r['profile']).stem} | {' | '.join(cells)} | {g} | {ok} |")
     for name, why in (report.get("skipped") or {}).items():
         lines.append(f"\nNot simulated: trace {name}: {why}.")
-    if report.get("picks"):
-        p = report["picks"]
-        lines += ["", f"Best of the adaptive trace's three shapes by goodput: real {p['real_best']}, simulated {p['sim_best']} "
-                      f"({'the same' if p['same'] else 'different'})"
-                      + (f"; the real runs tie ({', '.join(p['real_ties'])}): no pick to match." if p.get("real_ties") else ".")]
+    for workload, p in (report.get("picks") or {}).items():
+        if p:
+            lines += ["", f"Best of the {workload} workload's shapes by goodput: real {p['real_best']}, simulated {p['sim_best']} "
+                          f"({'the same' if p['same'] else 'different'})"
+                          + (f"; the real runs tie ({', '.join(p['real_ties'])}): no pick to match." if p.get("real_ties") else ".")]
     return "\n".join(lines)
 
 
@@ -367,10 +387,12 @@ def main(argv: list[str] | None = None) -> int:
         run_real(args, results)
     cases, skipped = [], {}
     if "trace" in args.workloads:
-        trace_json = results / "sim_validation_trace.json"
-        if trace_json.exists():
-            found, skipped = trace_cases(trace_json, trace_json.with_name(trace_json.stem + "_requests.json"))
-            cases += found
+        for shape in TRACE_SHAPES:
+            path = trace_path(results, shape)
+            if path.exists():
+                found, why = trace_cases(path, path.with_name(path.stem + "_requests.json"))
+                cases += [{**case, "config": f"{shape} {case['config']}"} for case in found]
+                skipped |= {f"{shape} {name}": reason for name, reason in why.items()}
     if "adaptive" in args.workloads:
         cases += adaptive_cases(results)
     rows = [compare(c, fixed or profile_for(c, profiles)) for c in cases]

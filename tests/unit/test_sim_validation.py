@@ -60,6 +60,20 @@ def test_adaptive_cases_are_the_validations_own_runs_not_the_adaptive_benchmarks
     assert sim_validation.adaptive_cases(RESULTS / "no such directory") == []
 
 
+def test_each_workload_picks_among_its_shapes_and_the_trace_among_kv_aware_rows():
+    def row(workload, config, real, sim):
+        return {"workload": workload, "config": config, "not_comparable": None, "real": {"goodput": real}, "sim": {"goodput": sim}}
+
+    rows = [row("trace", "1p2d round_robin", 9.0, 9.0), row("trace", "1p2d kv_aware", 1.0, 1.5), row("trace", "1p2d kv_aware+tier", 8.0, 8.0),
+            row("trace", "1p1d kv_aware", 2.0, 1.2), row("trace", "colocated kv_aware", 1.5, 1.1),
+            row("adaptive", "colocated", 0.9, 0.8), row("adaptive", "1p1d", 0.8, 0.85)]
+    picks = sim_validation.picks(rows)
+    assert picks["trace"]["real_best"] == "1p1d kv_aware" and picks["trace"]["sim_best"] == "1p2d kv_aware" and not picks["trace"]["same"]
+    assert set(picks["trace"]["goodput"]) == {"1p2d kv_aware", "1p1d kv_aware", "colocated kv_aware"}
+    assert picks["adaptive"]["real_best"] == "colocated" and picks["adaptive"]["sim_best"] == "1p1d"
+    assert sim_validation.picks(rows[:1])["trace"] is None
+
+
 def test_another_machine_kind_is_not_judged():
     profile = load_profile(sim_validation.DEFAULT_PROFILE)
     same = dict(profile.machine)
