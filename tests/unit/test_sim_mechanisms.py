@@ -134,10 +134,10 @@ def test_a_reservation_waits_for_the_decode_step_in_progress():
 
 
 def test_a_mixed_step_pays_the_step_overhead_once():
-    """One forward for prefill chunks and decodes: the decodes add their per-request cost, not a second step's
-    fixed part (the decode grid extrapolated to batch 0)."""
+    """One forward for prefill chunks and decodes: the decodes add their per-request cost (the decode grid's slope
+    at its largest batches), not a second step's fixed part."""
     p = linear_profile(prefill_fixed_s=0.05, prefill_token_s=1e-3, decode_fixed_s=0.02, decode_seq_s=2e-3, attention_token_s=1e-6)
-    assert p.decode_step_part(300) == pytest.approx(0.02)
+    assert p.decode_row_s(300) == pytest.approx(2e-3 + 300 * 1e-6)
     mixed = p.prefill_s([(100, 0)], decode_batch=4, decode_context=300)
     assert mixed == pytest.approx(0.05 + 100 * 1e-3 + 4 * (2e-3 + 300 * 1e-6))
     assert mixed < p.prefill_s([(100, 0)]) + p.decode_s(4, 300)
