@@ -149,10 +149,10 @@ def stop_and_check_nothing_left(serve: Proc, seen: set[tuple[int, float]]) -> No
         procs.update({pid: psutil.Process(pid) for pid, created in seen if _alive(pid, created)})
         return [f"{pid} {_describe(p)}" for pid, p in procs.items()]
 
-    deadline = time.monotonic() + 30
-    while (left := leftovers()) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    assert not left, f"processes left behind: {left}"
+    try:
+        wait_for(lambda: not leftovers(), 30, "every process of the deployment is gone", interval=0.5)
+    except AssertionError:
+        raise AssertionError(f"processes left behind: {leftovers()}") from None
 
 
 def remember_tree(serve: Proc, seen: set[tuple[int, float]]) -> None:
